@@ -1,0 +1,1 @@
+"""On-disk formats: pure I/O and validation, no model code."""

@@ -1,0 +1,1 @@
+"""nn.Modules that know a storage format, not a model."""

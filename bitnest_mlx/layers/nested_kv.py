@@ -1,0 +1,133 @@
+"""Nested KV cache: one cache, two 4-bit planes per (token, kv head); KV4 for the draft, KV8 for the target."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache, create_attention_mask
+
+_SHIFTS = mx.array([4 * i for i in range(8)], dtype=mx.uint32)
+
+
+def _pack(u: mx.array) -> mx.array:
+    """uint32 codes in [0, 15] along the last axis -> MLX 4-bit words (8 codes per uint32)."""
+    u = u.reshape(*u.shape[:-1], -1, 8)
+    return (u << _SHIFTS).sum(axis=-1).astype(mx.uint32)
+
+
+def nest_quantize(x: mx.array, group: int) -> tuple[mx.array, mx.array, mx.array]:
+    """x [..., D] -> (hi, lo) uint32 [..., D/8] and scales float32 [..., D/group].
+
+    s = max|x|/7 (1 if 0), q4 = clip(round(x/s), -8, 7), qr = clip(round((x - q4 s)/(s/16)), -8, 7),
+    stored as u = q + 8; fp32 math, round half to even.
+    """
+    xf = x.astype(mx.float32)
+    xg = xf.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    s = mx.abs(xg).max(axis=-1, keepdims=True) / 7.0
+    s = mx.where(s == 0, 1.0, s)
+    q4 = mx.clip(mx.round(xg / s), -8, 7)
+    qr = mx.clip(mx.round((xg - q4 * s) / (s / 16)), -8, 7)
+    hi = _pack((q4 + 8).astype(mx.uint32).reshape(x.shape))
+    lo = _pack((qr + 8).astype(mx.uint32).reshape(x.shape))
+    return hi, lo, s.squeeze(-1)
+
+
+def nest_dequantize(
+    hi: mx.array, lo: mx.array, scales: mx.array, group: int, draft: bool
+) -> mx.array:
+    """KV4 = q4·s (draft) or KV8 = (16 q4 + qr)·s/16 (target), float32."""
+    kw = dict(group_size=group, bits=4)
+    x = mx.dequantize(hi, scales, -8 * scales, **kw)
+    if not draft:
+        x = x + mx.dequantize(lo, scales, -8 * scales, **kw) * 0.0625
+    return x
+
+
+class NestedKVCache(_BaseCache):
+    """Per layer: K (after RoPE) and V quantized at write time; reads dequantize one plane or both.
+
+    Attention always reads the quantized values, the tokens just written included. Every write
+    lands at `offset`, so a verify pass after `trim` overwrites what a draft round wrote.
+    With `quantized=False` (parity/debug mode) K and V are stored as they are.
+    """
+
+    step = 256
+
+    def __init__(self, group_size: int = 128, quantized: bool = True):
+        self.group_size = group_size
+        self.quantized = quantized
+        self.offset = 0
+        self.keys: tuple[mx.array, ...] | None = None
+        self.values: tuple[mx.array, ...] | None = None
+
+    def _encode(self, x: mx.array) -> tuple[mx.array, ...]:
+        return nest_quantize(x, self.group_size) if self.quantized else (x,)
+
+    def _decode(self, parts: tuple[mx.array, ...], draft: bool, dtype: mx.Dtype) -> mx.array:
+        if not self.quantized:
+            return parts[0]
+        return nest_dequantize(*parts, self.group_size, draft).astype(dtype)
+
+    def update_and_fetch(
+        self, keys: mx.array, values: mx.array, draft: bool = False
+    ) -> tuple[mx.array, mx.array]:
+        prev, n = self.offset, keys.shape[2]
+        new_k, new_v = self._encode(keys), self._encode(values)
+        if self.keys is None or prev + n > self.keys[0].shape[2]:
+            grow = (self.step + n - 1) // self.step * self.step
+
+            def extend(old, new):
+                fresh = mx.zeros((*new.shape[:2], grow, *new.shape[3:]), dtype=new.dtype)
+                return fresh if old is None else mx.concatenate([old[:, :, :prev], fresh], axis=2)
+
+            self.keys = tuple(extend(o, x) for o, x in zip(self.keys or (None,) * 3, new_k))
+            self.values = tuple(extend(o, x) for o, x in zip(self.values or (None,) * 3, new_v))
+        self.offset += n
+        for store, new in ((self.keys, new_k), (self.values, new_v)):
+            for a, x in zip(store, new):
+                a[:, :, prev : self.offset] = x
+        k = tuple(a[:, :, : self.offset] for a in self.keys)
+        v = tuple(a[:, :, : self.offset] for a in self.values)
+        return self._decode(k, draft, keys.dtype), self._decode(v, draft, values.dtype)
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return []
+        return [a[:, :, : self.offset] for a in (*self.keys, *self.values)]
+
+    @state.setter
+    def state(self, v):
+        half = len(v) // 2
+        self.keys, self.values = tuple(v[:half]), tuple(v[half:])
+        self.offset = v[0].shape[2]
+
+    @property
+    def meta_state(self):
+        return tuple(map(str, (self.group_size, int(self.quantized))))
+
+    @meta_state.setter
+    def meta_state(self, v):
+        self.group_size, self.quantized = int(v[0]), bool(int(v[1]))
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def size(self) -> int:
+        return self.offset
+
+    def make_mask(self, *args, **kwargs):
+        return create_attention_mask(*args, offset=self.offset, **kwargs)
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return sum(a.nbytes for a in (*self.keys, *self.values))

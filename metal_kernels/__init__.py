@@ -1,0 +1,1 @@
+"""Metal kernel sources (`*.metal`), shipped as package data of bitnest_mlx."""

@@ -1,0 +1,1 @@
+"""Model classes, installed as bitnest_mlx.models."""
