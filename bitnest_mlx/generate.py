@@ -1,4 +1,4 @@
-"""`python -m bitnest_mlx.generate`: stream text from a bitnest package (default: the embedded demo)."""
+"""`python -m bitnest_mlx.generate`: stream text from a bitnest package (default: the demo)."""
 
 from __future__ import annotations
 

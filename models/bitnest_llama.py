@@ -55,7 +55,9 @@ class Attention(nn.Module):
         self.r3 = args.r3
 
         def lin(name, n_in, n_out):
-            return DualPlaneLinear(n_in, n_out, f"model.layers.{layer}.self_attn.{name}" in args.biased)
+            return DualPlaneLinear(
+                n_in, n_out, f"model.layers.{layer}.self_attn.{name}" in args.biased
+            )
 
         self.q_proj = lin("q_proj", d, self.n_heads * hd)
         self.k_proj = lin("k_proj", d, self.n_kv_heads * hd)
@@ -166,17 +168,22 @@ class Model(nn.Module):
         return self.lm_head(a8(x) if qa else x, draft)
 
     def make_cache(self) -> list[NestedKVCache]:
-        return [
-            NestedKVCache(self.args.kv_group, quantized=self.quantize_kv) for _ in self.layers
-        ]
+        return [NestedKVCache(self.args.kv_group, quantized=self.quantize_kv) for _ in self.layers]
 
     def sanitize(self, tensors: dict) -> dict:
         """Package tensors -> parameters: zero-copy uint32 plane views, R4 matrices per layer."""
         dtype = self.embed_tokens.weight.dtype
         out = {"embed_tokens.weight": tensors["model.embed_tokens.weight"].astype(dtype)}
         for i, layer in enumerate(self.layers):
-            for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                         "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            for name in (
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "self_attn.o_proj",
+                "mlp.gate_proj",
+                "mlp.up_proj",
+                "mlp.down_proj",
+            ):
                 out.update(DualPlaneLinear.prepare(tensors, f"model.layers.{i}.{name}", dtype))
             r4 = layer.mlp.r4
             if r4 is not None and r4.k > 1:

@@ -9,9 +9,9 @@ import json
 import re
 import shutil
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 import mlx.core as mx
 import numpy as np
@@ -47,7 +47,7 @@ _ACT_ORDER_RE = re.compile(r"(g_idx|perm|act_order)")
 
 
 class PackageError(ValueError):
-    """A package that does not follow bitnest-package-v1; the message names file, tensor, expectation."""
+    """A package that breaks bitnest-package-v1; the message names file, tensor, expectation."""
 
 
 @dataclass
@@ -90,7 +90,7 @@ class Planes:
 
 
 def quantize_planes(w: np.ndarray) -> Planes:
-    """RTN for both planes: q4 = round(w/s), s = amax/7 per 128 columns; qr = round((w - q4 s)/(s/16))."""
+    """RTN planes: q4 = round(w/s), s = amax/7 per 128 columns; qr = round((w - q4 s)/(s/16))."""
     n, k = w.shape
     wg = w.astype(np.float32).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
     amax = np.abs(wg).max(-1)
@@ -114,7 +114,9 @@ def quantize_planes(w: np.ndarray) -> Planes:
     )
 
 
-def dequantize_planes(hi: np.ndarray, lo: np.ndarray, scales: np.ndarray, draft: bool) -> np.ndarray:
+def dequantize_planes(
+    hi: np.ndarray, lo: np.ndarray, scales: np.ndarray, draft: bool
+) -> np.ndarray:
     """W4 = q4 s (draft) or W8 = (16 q4 + qr) s / 16 (target), float64 [N, K]."""
     q4 = unpack_nibbles(np.asarray(hi)).astype(np.float64) - 8
     s = np.repeat(np.asarray(scales, dtype=np.float64), GROUP_SIZE, axis=-1)
@@ -202,9 +204,7 @@ def _check_safetensors(f: Path) -> None:
             header = json.loads(fh.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise PackageError(f"{f}: unreadable safetensors header ({e})") from e
-    end = max(
-        (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
-    )
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end > size:
         raise PackageError(
             f"{f}: truncated safetensors file: tensors need {8 + n + end} bytes, file has {size}"
@@ -284,9 +284,7 @@ def _load_config(path: Path, manifest: dict, manifest_file: Path) -> dict:
         return derived
     config = _read_json(f)
     if config.get("model_type") != "bitnest":
-        raise PackageError(
-            f'{f}: model_type is {config.get("model_type")!r}, expected "bitnest"'
-        )
+        raise PackageError(f'{f}: model_type is {config.get("model_type")!r}, expected "bitnest"')
     for key in ("quantization", "quantization_config"):
         if key in config:
             raise PackageError(f"{f}: has a {key!r} key; bitnest configs must not")
@@ -353,7 +351,7 @@ def _check_had_k(f: Path, name: str, h: mx.array) -> None:
 
 
 def read(path: str | Path) -> Package:
-    """Read and validate a package directory; raise PackageError naming file, tensor, expectation."""
+    """Read and validate a package directory; PackageError names file, tensor, expectation."""
     path = Path(path)
     manifest_file = find_manifest(path)
     manifest = _read_json(manifest_file)
@@ -375,7 +373,9 @@ def read(path: str | Path) -> Package:
     tensors = read_tensors(path)
 
     expected_linears = [
-        f"model.layers.{i}.{lin}" for i in range(config["num_hidden_layers"]) for lin in LAYER_LINEARS
+        f"model.layers.{i}.{lin}"
+        for i in range(config["num_hidden_layers"])
+        for lin in LAYER_LINEARS
     ] + ["lm_head"]
     missing = [n for n in expected_linears if n not in manifest["layers"]]
     if missing:
@@ -411,26 +411,40 @@ def read(path: str | Path) -> Package:
             )
         if k > 1:
             name = f"aux.had_K.{k}"
-            _check_had_k(tensors[name][0] if name in tensors else path, name,
-                         _expect(tensors, name, mx.float32, (k, k), path))
+            _check_had_k(
+                tensors[name][0] if name in tensors else path,
+                name,
+                _expect(tensors, name, mx.float32, (k, k), path),
+            )
             used.add(name)
 
     for name, (f, a) in tensors.items():
         if name in used:
             continue
         if _ACT_ORDER_RE.search(name):
-            raise _fail(f, name, "act-order / permutation tensors are not supported "
-                        "(bitnest-package-v1 groups are 128 contiguous columns)")
+            raise _fail(
+                f,
+                name,
+                "act-order / permutation tensors are not supported "
+                "(bitnest-package-v1 groups are 128 contiguous columns)",
+            )
         if name == "model.norm.weight" or _NORM_RE.fullmatch(name):
             if tuple(a.shape) != (d,):
                 raise _fail(f, name, f"shape {list(a.shape)} but expected [{d}]")
             if not np.allclose(np.array(a.astype(mx.float32)), 1.0, atol=1e-3):
                 if name == "model.norm.weight":
-                    warnings.warn(f"{f.name}: {name} is not ~1; it is not applied (norms are "
-                                  "fused into lm_head)", stacklevel=2)
+                    warnings.warn(
+                        f"{f.name}: {name} is not ~1; it is not applied (norms are "
+                        "fused into lm_head)",
+                        stacklevel=2,
+                    )
                 else:
-                    raise _fail(f, name, "norm weight is not ~1: the package is unfused "
-                                "(RMSNorm weights must be folded into the following Linears)")
+                    raise _fail(
+                        f,
+                        name,
+                        "norm weight is not ~1: the package is unfused "
+                        "(RMSNorm weights must be folded into the following Linears)",
+                    )
             continue
         raise _fail(f, name, "unexpected tensor (not part of bitnest-package-v1)")
 
@@ -457,8 +471,9 @@ def _fold_norms(weights: Mapping[str, np.ndarray], config: dict) -> dict[str, np
     return w
 
 
-def _manifest(config: dict, arch: str, name: str, source: str | None, linears: dict,
-              lm_head: Planes, k: int) -> dict:
+def _manifest(
+    config: dict, arch: str, name: str, source: str | None, linears: dict, lm_head: Planes, k: int
+) -> dict:
     n_layers, head_dim = config["num_hidden_layers"], config["head_dim"]
     per_layer_group = {
         f"model.layers.{i}.{lin}": head_dim if lin.endswith("o_proj") else -1
@@ -534,7 +549,7 @@ def write(
     name: str | None = None,
     source_model: str | None = None,
 ) -> Path:
-    """Write float Llama/Qwen2 weights (HF names) as a package: norms folded, R4 fused, RTN planes."""
+    """Write float Llama/Qwen2 weights (HF names) as a package: norms folded, R4 fused, RTN."""
     arch = config.get("model_type")
     if arch not in ARCHS:
         raise PackageError(f"model_type {arch!r} is not one of {ARCHS}")
@@ -551,7 +566,9 @@ def write(
     tensors: dict[str, mx.array] = {}
     linears: dict[str, dict] = {}
     names = [
-        f"model.layers.{i}.{lin}" for i in range(config["num_hidden_layers"]) for lin in LAYER_LINEARS
+        f"model.layers.{i}.{lin}"
+        for i in range(config["num_hidden_layers"])
+        for lin in LAYER_LINEARS
     ] + ["lm_head"]
     lm_head = None
     for lin in names:

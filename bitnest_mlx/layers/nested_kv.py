@@ -1,4 +1,4 @@
-"""Nested KV cache: one cache, two 4-bit planes per (token, kv head); KV4 for the draft, KV8 for the target."""
+"""Nested KV cache: two 4-bit planes per (token, kv head); KV4 for the draft, KV8 for the target."""
 
 from __future__ import annotations
 
