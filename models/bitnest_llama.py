@@ -1,4 +1,4 @@
-"""Llama / Qwen2 over dual-plane weights: one set of modules, W4A8KV4 draft or W8A8KV8 target per call."""
+"""Llama / Qwen2 over dual-plane weights: one module set, W4A8KV4 draft or W8A8KV8 target."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ class TransformerBlock(nn.Module):
 
 
 class Model(nn.Module):
-    """mlx-lm compatible: `model(inputs [B, T], cache) -> logits [B, T, V]`, `make_cache()`, `layers`.
+    """mlx-lm style: `model(inputs [B, T], cache) -> logits [B, T, V]`, `make_cache()`, `layers`.
 
     `mode` ("draft" | "target") selects the planes read by weights and KV; it can be switched
     between calls or overridden per call. `quantize_activations` / `quantize_kv` switch A8 and the
