@@ -36,6 +36,6 @@ setup(
         "tokenizers",
     ],
     extras_require={
-        "test": ["pytest", "transformers>=5", "torch==2.13.0", "ruff"],
+        "test": ["pytest", "transformers>=5", "torch==2.13.0", "ruff", "jang==2.5.50", "gguf"],
     },
 )
