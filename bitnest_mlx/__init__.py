@@ -9,6 +9,17 @@ import mlx.nn as nn
 
 __version__ = "0.1.0"
 
+# mlx-lm-like generation API, imported lazily: `import bitnest_mlx` stays light (no transformers).
+_SPECULATIVE_EXPORTS = ("generate", "stream_generate", "make_sampler", "SpeculativeStats")
+
+
+def __getattr__(name: str):
+    if name in _SPECULATIVE_EXPORTS:
+        from . import speculative
+
+        return getattr(speculative, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 def default_dtype() -> mx.Dtype:
     """float16 on a Metal GPU; float32 on CPU (MLX's CPU quantized matmul is slow in half)."""
@@ -36,20 +47,13 @@ def load(
     model.load_weights(list(model.sanitize(package.tensors).items()), strict=True)
     model.mode = mode
     mx.eval(model.parameters())
-    return model, _quiet(load_tokenizer, path)
+    return model, load_tokenizer(path, tokenizer_config_extra={"config": _tokenizer_config()})
 
 
-def _quiet(fn, *args):
-    """transformers warns that config.json's model_type "bitnest" is unknown to it; it is."""
-    import warnings
+def _tokenizer_config():
+    """An empty transformers config, so AutoTokenizer never parses the package's config.json:
+    model_type "bitnest" is unknown to transformers, and its generic fallback fails on llama3
+    rope scaling."""
+    from transformers import PretrainedConfig
 
-    from transformers.utils import logging
-
-    level = logging.get_verbosity()
-    logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            return fn(*args)
-    finally:
-        logging.set_verbosity(level)
+    return PretrainedConfig()

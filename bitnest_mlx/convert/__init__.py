@@ -1,0 +1,106 @@
+"""Checkpoint -> bitnest package: fold norms, rotate (R1/R2), then the writer fuses R4 and quantizes
+each Linear with GPTQ (hi plane) or RTN, with the RTN residual as the lo plane."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from ..formats import bitnest
+from ..formats.hadamard import hadamard_k, split_k
+from .calib import calibration_tokens
+from .gptq import SequentialGPTQ
+from .rotation import rotate
+from .sources import load_gguf, load_hf
+
+
+def _tokenizer(path: Path):
+    from mlx_lm.tokenizer_utils import load
+
+    return load(path)
+
+
+def convert(
+    *,
+    out: str | Path,
+    hf_path: str | Path | None = None,
+    gguf: str | Path | None = None,
+    calib: str | Path | None = None,
+    method: str = "gptq",
+    rotate_kind: str = "hadamard",
+    seed: int = 0,
+    calib_tokens: int = 4096,
+    calib_seq_len: int = 256,
+    damp: float = 0.01,
+    scratch: Path,
+) -> dict:
+    """Convert one checkpoint; returns a summary (also recorded in the manifest's `conversion`)."""
+    if (hf_path is None) == (gguf is None):
+        raise ValueError("give exactly one of hf_path or gguf")
+    source = load_hf(hf_path) if hf_path else load_gguf(gguf, scratch / "tokenizer")
+    config = source.config
+    n_layers = config["num_hidden_layers"]
+    weights = rotate(bitnest.fold_norms(source.weights, n_layers), config, rotate_kind, seed)
+
+    bar = tqdm(total=n_layers + 1, desc=f"{method} {source.name}", unit="layer")
+    k = split_k(config["intermediate_size"])
+    if method == "gptq":
+        tokens = calibration_tokens(
+            _tokenizer(source.tokenizer_dir), calib, calib_tokens, calib_seq_len
+        )
+        quantize = SequentialGPTQ(
+            weights,
+            config,
+            tokens,
+            hadamard_k(k) if k > 1 else None,
+            damp,
+            progress=lambda _: bar.update(),
+        )
+    elif method == "rtn":
+        quantize = lambda name, w: bitnest.planes_from_codes(w)
+    else:
+        raise ValueError(f"unknown method {method!r}; expected gptq or rtn")
+
+    stats: dict[str, dict] = {}
+
+    def recording(name: str, w: np.ndarray) -> bitnest.Planes:
+        planes = quantize(name, w)
+        stats[name] = {
+            "saturation": round(planes.saturation, 6),
+            "w8_max_rel_err": float(f"{planes.w8_max_rel_err:.3e}"),
+            "w4_rel_fro_err": round(planes.w4_rel_fro_err, 5),
+        }
+        if (method == "rtn" and name.endswith("down_proj")) or name == "lm_head":
+            bar.update()
+        return planes
+
+    summary = {
+        "source": str(hf_path or gguf),
+        "method": method,
+        "rotation": rotate_kind,
+        "seed": seed,
+        "r4_k": k,
+        "calibration_tokens": int(tokens.size) if method == "gptq" else 0,
+    }
+    bitnest.write(
+        out,
+        weights,
+        config,
+        quantize=recording,
+        tokenizer_dir=source.tokenizer_dir,
+        name=source.name,
+        source_model=str(hf_path or gguf),
+        notes={**summary, "per_linear": stats},
+    )
+    bar.close()
+    layers = [s for n, s in stats.items() if n != "lm_head"]
+    return {
+        **summary,
+        "out": str(out),
+        "mean_w4_rel_fro_err": round(float(np.mean([s["w4_rel_fro_err"] for s in layers])), 5),
+        "mean_saturation": round(float(np.mean([s["saturation"] for s in layers])), 6),
+        "max_w8_max_rel_err": max(s["w8_max_rel_err"] for s in layers),
+        "lm_head": stats["lm_head"],
+    }

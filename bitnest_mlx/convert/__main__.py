@@ -1,0 +1,64 @@
+"""`python -m bitnest_mlx.convert`: HF safetensors or GGUF (Llama, Qwen2) -> bitnest-package-v1."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import convert
+from .rotation import ROTATIONS
+from .sources import SourceError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bitnest_mlx.convert",
+        description="Convert a Llama/Qwen2 checkpoint to a bitnest package: RMSNorm folding, "
+        "R1/R2 rotations, R4 Hadamard, GPTQ (hi plane) + RTN residual (lo plane).",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf-path", help="Hugging Face checkpoint directory (safetensors)")
+    src.add_argument("--gguf", help="GGUF file of arch llama or qwen2")
+    p.add_argument("--out", required=True, help="output package directory")
+    p.add_argument("--calib", help="calibration text file (default: built-in corpus)")
+    p.add_argument("--method", choices=("gptq", "rtn"), default="gptq", help="hi-plane method")
+    p.add_argument("--rotate", choices=ROTATIONS, default="hadamard", help="R1/R2 rotation kind")
+    p.add_argument("--seed", type=int, default=0, help="seed for rotations (default 0)")
+    p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens for GPTQ")
+    p.add_argument("--calib-seq-len", type=int, default=256, help="calibration sequence length")
+    p.add_argument("--damp", type=float, default=0.01, help="GPTQ Hessian damping (x mean diag)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    tic = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            summary = convert(
+                hf_path=args.hf_path,
+                gguf=args.gguf,
+                out=args.out,
+                calib=args.calib,
+                method=args.method,
+                rotate_kind=args.rotate,
+                seed=args.seed,
+                calib_tokens=args.calib_tokens,
+                calib_seq_len=args.calib_seq_len,
+                damp=args.damp,
+                scratch=Path(tmp),
+            )
+    except (SourceError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summary["seconds"] = round(time.perf_counter() - tic, 1)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""GPTQ for the hi (W4) plane: static contiguous groups of 128, no act-order, damped Hessian.
+
+Calibration inputs are collected layer by layer from the partly quantized model: layer i sees the
+hidden states produced by layers < i running on their W4 planes with A8, which is how the draft
+runs. The lo plane stays the RTN residual of the original weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.rope_utils import initialize_rope
+
+from ..formats.bitnest import GROUP_SIZE, Planes, dequantize_planes, planes_from_codes
+from ..formats.hadamard import r4_transform
+
+
+def hessian(x: np.ndarray) -> np.ndarray:
+    """2 XᵀX / n over calibration rows x [n, K]."""
+    x = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    return 2.0 * x.T @ x / max(len(x), 1)
+
+
+def group_scales(w: np.ndarray) -> np.ndarray:
+    """fp16 scales amax/7 per 128 columns of the original weight (static groups)."""
+    n, k = w.shape
+    amax = np.abs(w.reshape(n, k // GROUP_SIZE, GROUP_SIZE)).max(-1)
+    s = np.maximum(amax / 7, 2.0**-14).astype(np.float16)
+    s[amax == 0] = 1
+    return s
+
+
+def gptq_codes(w: np.ndarray, h: np.ndarray, damp: float = 0.01) -> tuple[np.ndarray, np.ndarray]:
+    """q4 codes in [-8, 7] [N, K] and fp16 scales [N, K/128] minimising ||X Wᵀ - X Ŵᵀ||."""
+    w = w.astype(np.float64).copy()
+    scales = group_scales(w)
+    s = np.repeat(scales.astype(np.float64), GROUP_SIZE, axis=1)
+    h = h.copy()
+    dead = np.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    h[np.diag_indices_from(h)] += damp * np.mean(np.diag(h))
+    u = np.linalg.cholesky(np.linalg.inv(h)).T  # upper factor of H⁻¹
+    n, k = w.shape
+    q = np.zeros((n, k))
+    for i1 in range(0, k, GROUP_SIZE):
+        i2 = min(i1 + GROUP_SIZE, k)
+        block, err = w[:, i1:i2].copy(), np.zeros((n, i2 - i1))
+        for j in range(i2 - i1):
+            col = i1 + j
+            q[:, col] = np.clip(np.round(block[:, j] / s[:, col]), -8, 7)
+            e = (block[:, j] - q[:, col] * s[:, col]) / u[col, col]
+            block[:, j:] -= np.outer(e, u[col, col:i2])
+            err[:, j] = e
+        w[:, i2:] -= err @ u[i1:i2, i2:]
+    return q.astype(np.int8), scales
+
+
+def _a8(x: np.ndarray, group: int = -1) -> np.ndarray:
+    shape = x.shape
+    xg = x.reshape(*shape[:-1], shape[-1] // group, group) if group > 0 else x[..., None, :]
+    amax = np.abs(xg).max(-1, keepdims=True)
+    scale = np.where(amax == 0, 1.0, amax / 127)
+    return (np.clip(np.round(xg / scale), -128, 127) * scale).reshape(shape)
+
+
+def _rms_norm(x: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+class SequentialGPTQ:
+    """A `quantize(name, w) -> Planes` callback for `formats.bitnest.write` that runs GPTQ.
+
+    The writer asks for Linears in forward order (layer 0 q, k, v, o, gate, up, down, layer 1 …,
+    lm_head), so the first request of layer i triggers its calibration pass over the hidden states
+    left by the already quantized layers. lm_head stays RTN, as in the seed manifest.
+    """
+
+    def __init__(
+        self,
+        weights: dict[str, np.ndarray],
+        config: dict,
+        tokens: np.ndarray,
+        had_k: np.ndarray | None,
+        damp: float = 0.01,
+        progress: Callable[[int], None] | None = None,
+    ):
+        self.w, self.config, self.had_k, self.damp = weights, config, had_k, damp
+        self.h = weights["model.embed_tokens.weight"][tokens].astype(np.float64)
+        self.layer, self.hessians, self.planes = -1, {}, {}
+        self.progress = progress
+        hd = config["head_dim"]
+        self.rope = initialize_rope(
+            hd,
+            config.get("rope_theta", 10000.0),
+            False,
+            config.get("rope_scaling"),
+            config.get("max_position_embeddings", 4096),
+        )
+
+    def __call__(self, name: str, w: np.ndarray) -> Planes:
+        if name == "lm_head":
+            return planes_from_codes(w, None, None)
+        layer = int(name.split(".")[2])
+        if layer != self.layer:
+            self._advance(layer)
+        codes, scales = gptq_codes(w, self.hessians[name.rsplit(".", 1)[1]], self.damp)
+        planes = planes_from_codes(w, codes, scales)
+        self.planes[name] = planes
+        return planes
+
+    def _rope(self, x: np.ndarray) -> np.ndarray:
+        return np.array(self.rope(mx.array(x.astype(np.float32))), dtype=np.float64)
+
+    def _linear(self, x: np.ndarray, name: str, quantized: bool, fused_w: np.ndarray | None = None):
+        if quantized:
+            p = self.planes[name]
+            w = dequantize_planes(p.hi, p.lo, p.scales, draft=True)
+        else:
+            w = fused_w if fused_w is not None else self.w[f"{name}.weight"]
+        y = x @ w.T
+        bias = self.w.get(f"{name}.bias")
+        return y if bias is None else y + bias
+
+    def _layer(self, i: int, quantized: bool) -> dict[str, np.ndarray]:
+        """One decoder layer over self.h; returns the A8 inputs of each Linear, updates self.h."""
+        c, p = self.config, f"model.layers.{i}."
+        eps, hd = c["rms_norm_eps"], c["head_dim"]
+        n_h, n_kv = c["num_attention_heads"], c["num_key_value_heads"]
+        b, t, _ = self.h.shape
+        x = _a8(_rms_norm(self.h, eps))
+        q = self._linear(x, p + "self_attn.q_proj", quantized).reshape(b, t, n_h, hd)
+        k = self._linear(x, p + "self_attn.k_proj", quantized).reshape(b, t, n_kv, hd)
+        v = self._linear(x, p + "self_attn.v_proj", quantized).reshape(b, t, n_kv, hd)
+        q, k = (self._rope(a.transpose(0, 2, 1, 3)) for a in (q, k))
+        v = v.transpose(0, 2, 1, 3)
+        k, v = (np.repeat(a, n_h // n_kv, axis=1) for a in (k, v))
+        scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd)
+        scores = np.where(np.tril(np.ones((t, t), dtype=bool)), scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        o = (probs / probs.sum(-1, keepdims=True)) @ v
+        o8 = _a8(o.transpose(0, 2, 1, 3).reshape(b, t, n_h * hd), hd)
+        self.h = self.h + self._linear(o8, p + "self_attn.o_proj", quantized)
+        x2 = _a8(_rms_norm(self.h, eps))
+        g = self._linear(x2, p + "mlp.gate_proj", quantized)
+        a = g / (1 + np.exp(-g)) * self._linear(x2, p + "mlp.up_proj", quantized)
+        a8 = _a8(r4_transform(a, self.had_k))
+        down = p + "mlp.down_proj"
+        fused = None if quantized else r4_transform(self.w[f"{down}.weight"], self.had_k)
+        self.h = self.h + self._linear(a8, down, quantized, fused)
+        return {"q_proj": x, "o_proj": o8, "gate_proj": x2, "down_proj": a8}
+
+    def _advance(self, layer: int) -> None:
+        if self.layer >= 0:
+            self._layer(self.layer, quantized=True)  # hidden states through the quantized layer
+            if self.progress:
+                self.progress(self.layer)
+        saved = self.h
+        inputs = self._layer(layer, quantized=False)
+        self.h = saved
+        hs = {key: hessian(x) for key, x in inputs.items()}
+        self.hessians = {
+            "q_proj": hs["q_proj"],
+            "k_proj": hs["q_proj"],
+            "v_proj": hs["q_proj"],
+            "o_proj": hs["o_proj"],
+            "gate_proj": hs["gate_proj"],
+            "up_proj": hs["gate_proj"],
+            "down_proj": hs["down_proj"],
+        }
+        self.layer = layer

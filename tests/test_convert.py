@@ -1,0 +1,257 @@
+"""Converter: exact rotations, GPTQ beats RTN, HF and GGUF inputs become loadable packages."""
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from bitnest_mlx.convert.gptq import gptq_codes, group_scales, hessian  # noqa: E402
+from bitnest_mlx.convert.rotation import rotate  # noqa: E402
+from bitnest_mlx.convert.sources import load_gguf, unpermute_qk  # noqa: E402
+from bitnest_mlx.formats.bitnest import fold_norms  # noqa: E402
+
+VOCAB = 300
+
+
+def tiny_hf(arch: str, seed: int = 0):
+    """A tiny random transformers model with non-trivial norm weights."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+    )
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(
+            **common,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+        )
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.tensor(rng.uniform(0.5, 1.5, p.shape), dtype=torch.float32))
+            elif name.endswith("bias"):
+                p.copy_(torch.tensor(rng.normal(0, 0.1, p.shape), dtype=torch.float32))
+    return model.eval()
+
+
+def state(model) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def config_dict(model) -> dict:
+    c = model.config.to_dict()
+    c["head_dim"] = 128
+    if c.get("rope_scaling") is None and c.get("rope_parameters"):
+        params = c["rope_parameters"]
+        c["rope_theta"] = params.get("rope_theta", c.get("rope_theta", 10000.0))
+        c["rope_scaling"] = params if params.get("rope_type") not in (None, "default") else None
+    return c
+
+
+def logits(model, weights: dict[str, np.ndarray], tokens: np.ndarray) -> np.ndarray:
+    model.load_state_dict({k: torch.tensor(np.asarray(v, np.float32)) for k, v in weights.items()})
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["hadamard", "random"])
+def test_fused_rotations_leave_float_logits_unchanged(arch, kind):
+    model = tiny_hf(arch)
+    weights, config = state(model), config_dict(model)
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (1, 24))
+    reference = logits(model, weights, tokens)
+    rotated = rotate(fold_norms(weights, 2), config, kind, seed=3)
+    assert not np.allclose(
+        rotated["model.embed_tokens.weight"], weights["model.embed_tokens.weight"]
+    )
+    np.testing.assert_allclose(logits(model, rotated, tokens), reference, atol=1e-4)
+
+
+def test_gptq_has_lower_layer_output_error_than_rtn():
+    rng = np.random.default_rng(0)
+    # Correlated, outlier-heavy activations: where GPTQ's error feedback pays.
+    x = (
+        rng.standard_normal((2048, 256))
+        @ rng.standard_normal((256, 256))
+        * rng.uniform(0.1, 3, 256)
+    )
+    w = rng.standard_normal((192, 256))
+    s = np.repeat(group_scales(w).astype(np.float64), 128, axis=1)
+    rtn = np.clip(np.round(w / s), -8, 7) * s
+    q, scales = gptq_codes(w, hessian(x))
+    assert np.array_equal(scales, group_scales(w))
+    assert q.min() >= -8 and q.max() <= 7
+    gptq = q * s
+
+    def err(wq):
+        return np.linalg.norm(x @ (w - wq).T)
+
+    assert err(gptq) < 0.9 * err(rtn)
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """The q/k row interleaving llama.cpp's HF->GGUF converter applies for arch llama."""
+    return (
+        w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def test_unpermute_qk_inverts_llama_cpp_permutation():
+    w = np.arange(4 * 128 * 3, dtype=np.float32).reshape(4 * 128, 3)
+    assert not np.array_equal(llama_cpp_permute(w, 4), w)
+    np.testing.assert_array_equal(unpermute_qk(llama_cpp_permute(w, 4), 4), w)
+
+
+def write_gguf(path, model, arch: str) -> None:
+    """A float32 GGUF of the tiny model with a byte-level BPE vocabulary (as llama.cpp writes)."""
+    gguf = pytest.importorskip("gguf")
+    from bitnest_mlx.demo import _bytes_to_unicode
+
+    c, w = model.config, state(model)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_context_length(512)
+    tokens = [_bytes_to_unicode()[b] for b in range(256)] + ["<|endoftext|>"]
+    tokens += [f"<|reserved_{i}|>" for i in range(VOCAB - len(tokens))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 256 + [3] * (VOCAB - 256))
+    writer.add_token_merges([])
+    writer.add_eos_token_id(256)
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    layer = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    for k, v in w.items():
+        if k in names:
+            name = names[k]
+        else:
+            parts = k.split(".")
+            mod = ".".join(parts[3:-1])
+            name = f"blk.{parts[2]}.{layer[mod]}.{parts[-1]}"
+            if arch == "llama" and mod in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = c.num_attention_heads if "q_proj" in mod else c.num_key_value_heads
+                v = llama_cpp_permute(v, heads)
+        writer.add_tensor(name, np.ascontiguousarray(v, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_reader_recovers_hf_weights_and_tokenizer(tmp_path, arch):
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=384,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        tie_word_embeddings=False,
+    )
+    model = (
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+        if arch == "llama"
+        else transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    )
+    write_gguf(tmp_path / "m.gguf", model, arch)
+    source = load_gguf(tmp_path / "m.gguf", tmp_path / "tok")
+    for k, v in state(model).items():
+        np.testing.assert_array_equal(source.weights[k], v, err_msg=k)
+    assert source.config["model_type"] == arch
+    assert source.config["num_key_value_heads"] == 1
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tok = load_tokenizer(tmp_path / "tok")
+    ids = tok.encode("hello world")
+    assert ids == list(b"hello world")
+    assert tok.decode(ids) == "hello world"
+
+
+def test_convert_cli_hf_checkpoint_loads_in_all_modes(tmp_path):
+    model = tiny_hf("qwen2")
+    model.save_pretrained(tmp_path / "hf")
+    from bitnest_mlx.demo import write_tokenizer
+
+    write_tokenizer(tmp_path / "hf")
+    calib = tmp_path / "calib.txt"
+    calib.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / "pkg"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bitnest_mlx.convert",
+            "--hf-path",
+            str(tmp_path / "hf"),
+            "--out",
+            str(out),
+            "--calib",
+            str(calib),
+            "--calib-tokens",
+            "512",
+            "--calib-seq-len",
+            "128",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["method"] == "gptq" and summary["rotation"] == "hadamard"
+    import bitnest_mlx
+
+    m, _ = bitnest_mlx.load(out, dtype=mx.float32)
+    tokens = mx.array([[1, 2, 3, 4, 5]])
+    outs = {mode: m(tokens, mode=mode) for mode in ("draft", "target")}
+    assert all(o.shape == (1, 5, VOCAB) for o in outs.values())
+    assert not mx.array_equal(outs["draft"], outs["target"])
