@@ -6,14 +6,17 @@ import argparse
 import json
 import sys
 import time
+import types
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from . import load
+from . import load, speculative
 from .formats.bitnest import PackageError
 from .hub import ModelNotFound
+
+MODES = ("speculative", "target", "draft")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,9 +35,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     p.add_argument(
         "--mode",
-        choices=("draft", "target"),
-        default="target",
-        help="draft = W4 weights + KV4 reads; target = W8 + KV8 (default)",
+        choices=MODES,
+        default="speculative",
+        help="speculative = W4 draft proposes, W8 target verifies, lossless (default); "
+        "target = W8 weights + KV8 reads; draft = W4 + KV4",
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=3,
+        help="speculative: maximum draft length per round, adapted down from acceptance and "
+        "measured costs; 0 = target-only (default: %(default)s)",
+    )
+    p.add_argument(
+        "--no-fallback",
+        action="store_true",
+        help="speculative: never fall back to target-only decoding, even when measured faster",
     )
     p.add_argument("--ignore-chat-template", action="store_true", help="use the raw prompt")
     p.add_argument("--system-prompt", help="system message for the chat template")
@@ -61,9 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import demo_path
 
         model_path = demo_path()
+    if args.num_draft_tokens < 0:
+        print("error: --num-draft-tokens must be >= 0", file=sys.stderr)
+        return 2
     try:
         tic = time.perf_counter()
-        model, tokenizer = load(model_path, mode=args.mode)
+        model, tokenizer = load(model_path, mode="draft" if args.mode == "draft" else "target")
         load_s = time.perf_counter() - tic
     except (PackageError, ModelNotFound) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -78,10 +97,26 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     max_tokens = min(args.max_tokens, context - len(prompt))
-    sampler = make_sampler(args.temp, args.top_p, top_k=args.top_k, min_p=args.min_p)
+    sampling = dict(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+    spec_stats = speculative.SpeculativeStats()
+    if args.mode == "speculative":
+        responses = speculative.stream_generate(
+            model,
+            tokenizer,
+            prompt,
+            max_tokens=max_tokens,
+            sampler=speculative.make_sampler(**sampling),
+            num_draft_tokens=args.num_draft_tokens,
+            fallback=not args.no_fallback,
+            stats=spec_stats,
+        )
+    else:
+        responses = stream_generate(
+            model, tokenizer, prompt, max_tokens=max_tokens, sampler=make_sampler(**sampling)
+        )
 
     text, tokens, last = [], [], None
-    for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler):
+    for r in responses:
         text.append(r.text)
         if r.finish_reason != "stop":
             tokens.append(r.token)
@@ -97,6 +132,16 @@ def main(argv: list[str] | None = None) -> int:
         "peak_memory_gb": round(last.peak_memory, 4),
         "finish_reason": last.finish_reason,
     }
+    if args.mode == "speculative":
+        stats.update(
+            acceptance_rate=round(spec_stats.acceptance_rate, 4),
+            mean_accepted=round(spec_stats.mean_accepted, 3),
+            draft_s=round(spec_stats.draft_s, 4),
+            verify_s=round(spec_stats.verify_s, 4),
+            fallback=spec_stats.fallback,
+            num_draft_tokens=args.num_draft_tokens,
+            mean_drafted=round(spec_stats.mean_drafted, 3),
+        )
     if args.json:
         out = {"text": "".join(text), "tokens": tokens, "mode": args.mode, "stats": stats}
         print(json.dumps(out, ensure_ascii=False))
@@ -108,7 +153,27 @@ def main(argv: list[str] | None = None) -> int:
             f" | peak memory: {stats['peak_memory_gb']:.3f} GB",
             file=sys.stderr,
         )
+        if args.mode == "speculative":
+            print(
+                f"[speculative] acceptance: {stats['acceptance_rate']:.1%}"
+                f" | mean accepted: {stats['mean_accepted']} of {stats['mean_drafted']}"
+                f" drafted per round | draft {stats['draft_s']} s, verify {stats['verify_s']} s"
+                f" | fallback: {'yes' if stats['fallback'] else 'no'}",
+                file=sys.stderr,
+            )
     return 0
+
+
+class _CallableModule(types.ModuleType):
+    """Importing this CLI module rebinds `bitnest_mlx.generate` to it (Python sets submodules as
+    package attributes), which would shadow the API function `bitnest_mlx.generate(...)`;
+    calling the module keeps that working."""
+
+    def __call__(self, *args, **kwargs) -> str:
+        return speculative.generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("mode", ["draft", "target"])
-def test_demo_generates_json_in_both_modes(mode):
+@pytest.mark.parametrize("mode", ["draft", "target", "speculative"])
+def test_demo_generates_json_in_every_mode(mode):
     r = run_cli("--prompt", "Hello", "--max-tokens", "16", "--mode", mode, "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -31,6 +31,24 @@ def test_demo_streams_text_and_prints_stats():
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
     assert "generation:" in r.stderr and "tok/s" in r.stderr
+    assert "[speculative] acceptance:" in r.stderr  # speculative is the default mode
+
+
+def test_speculative_json_stats_and_greedy_parity_with_target_mode():
+    common = ("--prompt", "The river", "--max-tokens", "24", "--temp", "0", "--json")
+    target = json.loads(run_cli(*common, "--mode", "target").stdout)
+    spec = json.loads(run_cli(*common, "--no-fallback", "--num-draft-tokens", "2").stdout)
+    assert spec["mode"] == "speculative"
+    assert spec["tokens"] == target["tokens"]
+    stats = spec["stats"]
+    for key in ("acceptance_rate", "mean_accepted", "draft_s", "verify_s", "generation_tps"):
+        assert stats[key] > 0, key
+    assert stats["fallback"] is False and stats["mean_drafted"] >= 1
+    # --num-draft-tokens 0: target-only decoding through the same loop, no fallback involved.
+    zero = json.loads(run_cli(*common, "--num-draft-tokens", "0").stdout)
+    assert zero["tokens"] == target["tokens"]
+    assert zero["stats"]["acceptance_rate"] == 0 and zero["stats"]["draft_s"] == 0
+    assert zero["stats"]["fallback"] is False
 
 
 def test_missing_model_is_a_clear_error(tmp_path):

@@ -41,9 +41,14 @@ def rotate(
     d, hd = config["hidden_size"], config["head_dim"]
     n_kv, n_heads = config["num_key_value_heads"], config["num_attention_heads"]
     r1 = orthogonal(d, kind, rng)
+
+    def mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        # float64 products keep the fused model equal to the original to ~1e-7; stored float32.
+        return (np.asarray(a, np.float64) @ np.asarray(b, np.float64)).astype(np.float32)
+
     w = dict(weights)
-    w["model.embed_tokens.weight"] = w["model.embed_tokens.weight"] @ r1.T
-    w["lm_head.weight"] = w["lm_head.weight"] @ r1.T
+    w["model.embed_tokens.weight"] = mm(w["model.embed_tokens.weight"], r1.T)
+    w["lm_head.weight"] = mm(w["lm_head.weight"], r1.T)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         r2 = orthogonal(hd, kind, rng)
@@ -54,14 +59,14 @@ def rotate(
             "mlp.gate_proj",
             "mlp.up_proj",
         ):
-            w[f"{p}{lin}.weight"] = w[f"{p}{lin}.weight"] @ r1.T
+            w[f"{p}{lin}.weight"] = mm(w[f"{p}{lin}.weight"], r1.T)
         for lin in ("self_attn.o_proj", "mlp.down_proj"):
-            w[f"{p}{lin}.weight"] = r1 @ w[f"{p}{lin}.weight"]
+            w[f"{p}{lin}.weight"] = mm(r1, w[f"{p}{lin}.weight"])
         v = w[f"{p}self_attn.v_proj.weight"].reshape(n_kv, hd, d)
-        w[f"{p}self_attn.v_proj.weight"] = np.einsum("ij,hjd->hid", r2, v).reshape(n_kv * hd, d)
+        w[f"{p}self_attn.v_proj.weight"] = mm(r2, v).reshape(n_kv * hd, d)
         if f"{p}self_attn.v_proj.bias" in w:
             b = w[f"{p}self_attn.v_proj.bias"].reshape(n_kv, hd)
-            w[f"{p}self_attn.v_proj.bias"] = (b @ r2.T).reshape(-1)
+            w[f"{p}self_attn.v_proj.bias"] = mm(b, r2.T).reshape(-1)
         o = w[f"{p}self_attn.o_proj.weight"].reshape(d, n_heads, hd)
-        w[f"{p}self_attn.o_proj.weight"] = (o @ r2.T).reshape(d, n_heads * hd)
+        w[f"{p}self_attn.o_proj.weight"] = mm(o, r2.T).reshape(d, n_heads * hd)
     return w

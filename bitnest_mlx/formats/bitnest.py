@@ -643,8 +643,8 @@ def _rope_params(config: dict) -> tuple[float, dict | None]:
 
 def fold_norms(weights: Mapping[str, np.ndarray], num_layers: int) -> dict[str, np.ndarray]:
     """Fold every RMSNorm gamma into the Linears that read it (exact); the norms become ones and
-    lm_head is untied (it absorbs the final norm). float64 so rotations applied later stay exact."""
-    w = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
+    lm_head is untied (it absorbs the final norm)."""
+    w = {k: np.asarray(v, dtype=np.float32) for k, v in weights.items()}
     for i in range(num_layers):
         p = f"model.layers.{i}."
         for norm, linears in (

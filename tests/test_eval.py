@@ -1,0 +1,89 @@
+"""eval: perplexity of a package's float mode matches transformers' on the source model."""
+
+import json
+import math
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_convert import VOCAB, config_dict, state, tiny_hf  # noqa: E402
+
+import bitnest_mlx  # noqa: E402
+from bitnest_mlx.demo import write_tokenizer  # noqa: E402
+from bitnest_mlx.eval import evaluate  # noqa: E402
+from bitnest_mlx.formats import bitnest  # noqa: E402
+
+TEXT = "the mill by the river turned slowly while the water ran under the old stone bridge. " * 8
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory):
+    model = tiny_hf("llama")
+    out = tmp_path_factory.mktemp("pkg")
+    bitnest.write(out, state(model), config_dict(model))
+    write_tokenizer(out)
+    return model, out
+
+
+def test_float_mode_perplexity_matches_transformers_on_source_weights(package):
+    hf, path = package
+    model, tokenizer = bitnest_mlx.load(path, dtype=mx.float32)
+    tokens = tokenizer.encode(TEXT)[:128]
+    assert max(tokens) < VOCAB
+    with torch.no_grad():
+        loss = hf(torch.tensor([tokens]), labels=torch.tensor([tokens])).loss.item()
+    result = evaluate(
+        model, tokenizer, TEXT, "float", max_tokens=128, window=128, gamma=2, spec_tokens=8
+    )
+    assert result["tokens"] == 127
+    # W8 weights without A8/KV quantization stay within 1 % of the float model's perplexity.
+    assert result["ppl"] == pytest.approx(math.exp(loss), rel=0.01)
+    assert result["bits_per_byte"] * result["bytes"] * math.log(2) == pytest.approx(
+        result["tokens"] * math.log(result["ppl"])
+    )
+    assert 0 <= result["argmax_agreement"] <= 1
+    assert 0 <= result["mean_accepted"] <= 2
+
+
+def test_draft_perplexity_is_worse_than_target(package):
+    _, path = package
+    model, tokenizer = bitnest_mlx.load(path, dtype=mx.float32)
+    kw = dict(max_tokens=128, window=64, gamma=2, spec_tokens=8)
+    draft = evaluate(model, tokenizer, TEXT, "draft", **kw)
+    target = evaluate(model, tokenizer, TEXT, "target", **kw)
+    assert draft["ppl"] != target["ppl"]
+    assert draft["argmax_agreement"] == target["argmax_agreement"]
+
+
+def test_eval_cli_prints_json(package, tmp_path):
+    _, path = package
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bitnest_mlx.eval",
+            "--model",
+            str(path),
+            "--text",
+            str(text),
+            "--max-tokens",
+            "64",
+            "--window",
+            "32",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["mode"] == "target" and out["tokens"] == 62
+    assert np.isfinite(out["ppl"])
