@@ -255,3 +255,55 @@ def test_convert_cli_hf_checkpoint_loads_in_all_modes(tmp_path):
     outs = {mode: m(tokens, mode=mode) for mode in ("draft", "target")}
     assert all(o.shape == (1, 5, VOCAB) for o in outs.values())
     assert not mx.array_equal(outs["draft"], outs["target"])
+
+
+def test_sequential_gptq_beats_rtn_on_every_linear_with_its_calibration_inputs(tmp_path):
+    from bitnest_mlx.convert.gptq import SequentialGPTQ
+    from bitnest_mlx.formats import bitnest
+    from bitnest_mlx.formats.hadamard import hadamard_k
+
+    model = tiny_hf("qwen2")
+    config = config_dict(model)
+    weights = rotate(fold_norms(state(model), 2), config, "hadamard", seed=0)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (4, 64))
+    gptq = SequentialGPTQ(weights, config, tokens, hadamard_k(12))
+    errors = {}
+
+    def quantize(name: str, w: np.ndarray) -> bitnest.Planes:
+        planes = gptq(name, w)
+        if name != "lm_head":
+            h = gptq.hessians[name.rsplit(".", 1)[1]]
+            for label, p in (("gptq", planes), ("rtn", bitnest.planes_from_codes(w))):
+                dw = w - bitnest.dequantize_planes(p.hi, p.lo, p.scales, draft=True)
+                errors.setdefault(name, {})[label] = np.trace(dw @ h @ dw.T)
+        return planes
+
+    bitnest.write(tmp_path, weights, config, quantize=quantize)
+    assert len(errors) == 2 * 7
+    for name, e in errors.items():
+        assert e["gptq"] < e["rtn"], name
+
+
+def test_converted_package_runs_speculative_decoding(tmp_path):
+    import bitnest_mlx
+    from bitnest_mlx.demo import write_tokenizer
+
+    model = tiny_hf("llama")
+    model.save_pretrained(tmp_path / "hf")
+    write_tokenizer(tmp_path / "hf")
+    from bitnest_mlx.convert import convert
+
+    convert(
+        out=tmp_path / "pkg",
+        hf_path=tmp_path / "hf",
+        method="rtn",
+        rotate_kind="random",
+        scratch=tmp_path,
+    )
+    m, tok = bitnest_mlx.load(tmp_path / "pkg", dtype=mx.float32)
+    stats = bitnest_mlx.SpeculativeStats()
+    text = bitnest_mlx.generate(
+        m, tok, "hello", max_tokens=12, num_draft_tokens=2, fallback=False, stats=stats
+    )
+    assert stats.rounds > 0 and stats.generation_tokens == 12
+    assert isinstance(text, str)
