@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
@@ -37,29 +38,31 @@ def evaluate(
     model,
     tokenizer,
     text: str,
-    mode: str = "target",
+    modes: Sequence[str] = ("target",),
     max_tokens: int = 2048,
     window: int = 512,
     gamma: int = 4,
     spec_tokens: int = 64,
 ) -> dict:
-    """Perplexity and bits/byte of `mode` on the first `max_tokens` tokens of `text`, plus the
-    greedy argmax agreement of draft vs target on the same positions and the mean accepted
+    """Perplexity and bits/byte of each mode on the first `max_tokens` tokens of `text`, the
+    greedy argmax agreement of draft vs target on the same positions, and the mean accepted
     length of the greedy speculative loop at draft length `gamma`."""
     # A prefix is enough (no token spans 16 characters) and avoids tokenizing a whole book.
     tokens = tokenizer.encode(text[: 16 * max_tokens], verbose=False)[:max_tokens]
-    nll, n_pred, n_bytes, agree = 0.0, 0, 0, 0
+    nll = dict.fromkeys(modes, 0.0)
+    n_pred = n_bytes = agree = n_positions = 0
     for w in windows(tokens, window):
-        logits = _logits(model, w, mode).astype(mx.float32)
-        logprobs = logits[:-1] - mx.logsumexp(logits[:-1], axis=-1, keepdims=True)
-        targets = mx.array(w[1:])
-        nll -= mx.take_along_axis(logprobs, targets[:, None], axis=-1).sum().item()
+        logits = {m: _logits(model, w, m) for m in {*modes, "draft", "target"}}
+        targets = mx.array(w[1:])[:, None]
+        for m in modes:
+            lf = logits[m][:-1].astype(mx.float32)
+            logprobs = lf - mx.logsumexp(lf, axis=-1, keepdims=True)
+            nll[m] -= mx.take_along_axis(logprobs, targets, axis=-1).sum().item()
+        same = mx.argmax(logits["draft"], -1) == mx.argmax(logits["target"], -1)
+        agree += mx.sum(same).item()
+        n_positions += len(w)
         n_pred += len(w) - 1
         n_bytes += len(tokenizer.decode(w[1:]).encode("utf-8"))
-        draft = _logits(model, w, "draft") if mode != "draft" else logits
-        target = _logits(model, w, "target") if mode != "target" else logits
-        agree += mx.sum(mx.argmax(draft, -1) == mx.argmax(target, -1)).item()
-    n_positions = sum(len(w) for w in windows(tokens, window))
     stats = SpeculativeStats()
     prompt = mx.array(tokens[: min(len(tokens) // 2, 256)])
     for _ in speculative_generate_step(
@@ -74,11 +77,12 @@ def evaluate(
     ):
         pass
     return {
-        "mode": mode,
         "tokens": n_pred,
         "bytes": n_bytes,
-        "ppl": math.exp(nll / n_pred),
-        "bits_per_byte": nll / math.log(2) / n_bytes,
+        "modes": {
+            m: {"ppl": math.exp(nll[m] / n_pred), "bits_per_byte": nll[m] / math.log(2) / n_bytes}
+            for m in modes
+        },
         "argmax_agreement": agree / n_positions,
         "mean_accepted": stats.mean_accepted,
         "gamma": gamma,
@@ -95,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text", required=True, help="UTF-8 text file")
     p.add_argument(
         "--mode",
-        choices=MODES,
+        choices=(*MODES, "all"),
         default="target",
-        help="draft (W4A8KV4), target (W8A8KV8) or float (W8 weights, no A8/KV quant)",
+        help="draft (W4A8KV4), target (W8A8KV8), float (W8 weights, no A8/KV quant) or all",
     )
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens of the text to score")
     p.add_argument("--window", type=int, default=512, help="context window (non-overlapping)")
@@ -110,13 +114,18 @@ def main(argv: list[str] | None = None) -> int:
     except (PackageError, ModelNotFound, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = evaluate(model, tokenizer, text, args.mode, args.max_tokens, args.window, args.gamma)
-    result = {"model": str(args.model), "text": str(args.text), **result}
+    modes = MODES if args.mode == "all" else (args.mode,)
+    result = evaluate(model, tokenizer, text, modes, args.max_tokens, args.window, args.gamma)
+    result = {"model": str(args.model), "text": str(args.text), "mode": args.mode, **result}
+    if args.mode != "all":
+        result.update(result["modes"][args.mode])
     if args.json:
         print(json.dumps(result))
-    else:
-        for k, v in result.items():
-            print(f"{k:>17}: {v:.4f}" if isinstance(v, float) else f"{k:>17}: {v}")
+        return 0
+    for m, scores in result.pop("modes").items():
+        print(f"{m:>7}: ppl {scores['ppl']:.4f}, {scores['bits_per_byte']:.4f} bits/byte")
+    for k, v in result.items():
+        print(f"{k:>17}: {v:.4f}" if isinstance(v, float) else f"{k:>17}: {v}")
     return 0
 
 

@@ -136,16 +136,18 @@ def main() -> None:
     rows, report = [], {}
     for label, (method, rot) in packages.items():
         model, tok = bitnest_mlx.load(args.cache / f"pkg-{method}-{rot}")
+        res = {
+            name: evaluate(
+                model, tok, text, ("float", "target", "draft"), limits[name], args.window
+            )
+            for name, text in texts.items()
+        }
+        report[label] = res
         for mode in ("float", "target", "draft"):
-            res = {
-                name: evaluate(model, tok, text, mode, limits[name], args.window)
-                for name, text in texts.items()
-            }
-            report[f"{label} {mode}"] = res
             rows.append(
                 (
                     f"bitnest {label}, {mode}",
-                    *(res[n]["ppl"] for n in texts),
+                    *(res[n]["modes"][mode]["ppl"] for n in texts),
                     res["GPL-3"]["argmax_agreement"],
                     res["GPL-3"]["mean_accepted"],
                 )
