@@ -21,6 +21,17 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def register_mlx_lm() -> None:
+    """Make mlx-lm load bitnest packages and DeepSeek-V4 bundles in this process.
+
+    The installed startup hook (bitnest_mlx_hook.pth) already does this for every process; call
+    it when running from a source tree without `pip install`. See docs/mlx-lm.md.
+    """
+    from .mlx_lm_plugin import register
+
+    register()
+
+
 def default_dtype() -> mx.Dtype:
     """float16 on a Metal GPU; float32 on CPU (MLX's CPU quantized matmul is slow in half)."""
     return mx.float16 if mx.metal.is_available() else mx.float32
@@ -29,18 +40,23 @@ def default_dtype() -> mx.Dtype:
 def load(
     path_or_repo: str | Path, mode: str = "target", dtype: mx.Dtype | None = None
 ) -> tuple[nn.Module, object]:
-    """Load a bitnest package (local directory or Hub `org/repo[@revision]`).
+    """Load a bitnest package or a DeepSeek-V4 MXTQ bundle (local directory or Hub
+    `org/repo[@revision]`).
 
-    Returns (model, tokenizer): an mlx-lm style model whose `mode` is "draft" or "target",
-    and mlx-lm's TokenizerWrapper.
+    Returns (model, tokenizer): an mlx-lm style model (for bitnest packages its `mode` is "draft"
+    or "target"; DSV4 bundles have one precision and ignore `mode`) and mlx-lm's TokenizerWrapper.
     """
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from .formats import bitnest
+    from .formats import bitnest, dsv4_bundle
     from .hub import resolve
     from .models.bitnest_llama import Model, args_from_package
 
     path = resolve(path_or_repo)
+    if dsv4_bundle.is_bundle(path):
+        from .dsv4 import load_bundle
+
+        return load_bundle(path, dtype)
     package = bitnest.read(path)
     model = Model(args_from_package(package.manifest, package.config))
     model.set_dtype(dtype or default_dtype())

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -121,22 +122,31 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def demo_path() -> Path:
-    """The demo package directory, built once per cache dir (atomically, so never half-written)."""
-    target = cache_dir() / f"demo-v{VERSION}"
-    if (target / "bitnest.json").is_file():
+def cached_build(name: str, build: Callable[[Path], None]) -> Path:
+    """`cache_dir()/name`, built once by `build(tmp)` and renamed into place, so a crashed or
+    concurrent build never leaves a half-written directory that a later run would use."""
+    target = cache_dir() / name
+    if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        vocab = write_tokenizer(tmp)
-        weights, config = demo_weights(vocab)
-        bitnest.write(tmp, weights, config, name="bitnest-demo", source_model="bitnest_mlx.demo")
+        build(tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process won the race
-            if not (target / "bitnest.json").is_file():
+            if not target.is_dir():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _build_demo(out: Path) -> None:
+    weights, config = demo_weights(write_tokenizer(out))
+    bitnest.write(out, weights, config, name="bitnest-demo", source_model="bitnest_mlx.demo")
+
+
+def demo_path() -> Path:
+    """The demo package directory, built offline on first use."""
+    return cached_build(f"demo-v{VERSION}", _build_demo)

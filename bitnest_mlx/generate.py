@@ -88,6 +88,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    if getattr(model, "model_type", None) != "bitnest":
+        # One precision only (DeepSeek-V4 bundles): no draft plane to speculate with.
+        if args.mode == "draft":
+            print(
+                f"error: {model_path} has no draft plane (--mode draft needs a bitnest package)",
+                file=sys.stderr,
+            )
+            return 2
+        args.mode = "target"
     prompt = encode_prompt(tokenizer, args.prompt, args)
     context = model.args.max_position_embeddings
     if len(prompt) >= context:

@@ -55,3 +55,15 @@ def test_missing_model_is_a_clear_error(tmp_path):
     r = run_cli("--model", str(tmp_path / "nope"), "--max-tokens", "2")
     assert r.returncode == 2
     assert "nope" in r.stderr and "error" in r.stderr
+
+
+def test_dsv4_demo_bundle_generates_and_refuses_draft_mode():
+    from bitnest_mlx.dsv4 import demo_bundle_path
+
+    bundle = str(demo_bundle_path())
+    r = run_cli("--model", bundle, "--prompt", "hi", "--max-tokens", "6", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["mode"] == "target" and len(out["tokens"]) == 6
+    r = run_cli("--model", bundle, "--mode", "draft", "--max-tokens", "2")
+    assert r.returncode == 2 and "no draft plane" in r.stderr

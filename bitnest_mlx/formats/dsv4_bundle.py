@@ -1,0 +1,505 @@
+"""DeepSeek-V4 bundles in jang's MLX layout: key schedule, strict reading, and a writer.
+
+A bundle is a directory with config.json (model_type `deepseek_v4`) and safetensors, one file or
+shards listed in `model.safetensors.index.json`. Keys are the official checkpoint names
+(spec: shared/specs/deepseek-v4.md "Bundle"; research: mxtq_format.md §6):
+
+* Linears (`embed`, `head`, attention, shared experts, compressors, indexers): MLX affine
+  (`.weight` uint32 + `.scales`/`.biases`, 8 bits group 32 unless config.json says otherwise for
+  that module) or a plain float `.weight`.
+* Routed experts: MXTQ triples `tq_packed/tq_norms/tq_bits`, stacked under
+  `layers.L.mlp.switch_mlp.{gate,up,down}_proj` or per expert under
+  `layers.L.ffn.experts.E.w{1,3,2}`; or float, stacked `[E, out, in]` or per expert.
+* Passthrough floats: norms, router weight and bias, `ape`, `attn_sink`, `hc_*`. `tid2eid` integer.
+* `mtp.*` (the multi-token-prediction layer) is ignored: this runtime does not build it.
+
+Reading is strict: an unexpected, missing, misshapen or mistyped tensor, a routed bit plan that
+disagrees with a tensor's `tq_bits`, or an MXTQ row length that does not fill whole words is a
+`BundleError` naming the key. The result is keyed by model parameter names
+(`models/deepseek_v4.py`): the official names with routed experts at
+`layers.L.ffn.switch_mlp.<proj>`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from . import mxtq
+
+INDEX_FILE = "model.safetensors.index.json"
+PROJECTIONS = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}  # official expert names
+FLOATS = (mx.float16, mx.bfloat16, mx.float32)
+INTS = (mx.int8, mx.int16, mx.int32, mx.int64, mx.uint8, mx.uint16, mx.uint32, mx.uint64)
+# Passthrough tensors jang keeps in float32 (the rest of the passthrough class goes to float16).
+_F32_PASSTHROUGH = re.compile(r"(hc_|attn_sink|\.ape$|gate\.bias$)")
+
+
+class BundleError(ValueError):
+    """A bundle that does not match its config's schedule."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One logical tensor of the model.
+
+    kind: "linear" ([out, in], float or affine), "embedding" (same storage), "experts"
+    ([E, out, in], MXTQ or float), "float" (passthrough) or "int" (tid2eid).
+    """
+
+    kind: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class Bundle:
+    config: dict
+    tensors: dict[str, mx.array]  # model parameter name -> array as stored (dtype not changed)
+    formats: dict[str, str | int]  # slot name -> "float" | "affine" | MXTQ bits (int)
+    affine: dict[str, tuple[int, int]]  # slot name -> (bits, group_size) for affine slots
+    seed: int
+    path: Path
+    ignored: list[str] = field(default_factory=list)
+
+
+def is_bundle(path: str | Path) -> bool:
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        return json.loads(cfg.read_text()).get("model_type") == "deepseek_v4"
+    except json.JSONDecodeError:
+        return False
+
+
+# ---------------------------------------------------------------- schedule
+
+
+def schedule(config: dict) -> dict[str, Slot]:
+    """Every logical tensor the config's layer schedule implies, by model parameter name."""
+    c = config
+    d, v, hc = c["hidden_size"], c["vocab_size"], c.get("hc_mult", 4)
+    heads, hd = c["num_attention_heads"], c["head_dim"]
+    q_lora, o_lora, groups = c["q_lora_rank"], c["o_lora_rank"], c["o_groups"]
+    inter, experts = c["moe_intermediate_size"], c["n_routed_experts"]
+    shared = inter * c.get("n_shared_experts", 1)
+    ih, idim = c.get("index_n_heads", 64), c.get("index_head_dim", 128)
+    n_layers = c["num_hidden_layers"]
+    ratios = c["compress_ratios"]
+    if len(ratios) < n_layers:
+        raise BundleError(
+            f"config.json: compress_ratios has {len(ratios)} entries, need {n_layers}"
+        )
+    mix = (2 + hc) * hc
+
+    s: dict[str, Slot] = {
+        "embed": Slot("embedding", (v, d)),
+        "head": Slot("linear", (v, d)),
+        "norm.weight": Slot("float", (d,)),
+        "hc_head_fn": Slot("float", (hc, hc * d)),
+        "hc_head_base": Slot("float", (hc,)),
+        "hc_head_scale": Slot("float", (1,)),
+    }
+    for i in range(n_layers):
+        p, r = f"layers.{i}", ratios[i]
+        s.update(
+            {
+                f"{p}.attn_norm.weight": Slot("float", (d,)),
+                f"{p}.ffn_norm.weight": Slot("float", (d,)),
+                f"{p}.attn.wq_a": Slot("linear", (q_lora, d)),
+                f"{p}.attn.q_norm.weight": Slot("float", (q_lora,)),
+                f"{p}.attn.wq_b": Slot("linear", (heads * hd, q_lora)),
+                f"{p}.attn.wkv": Slot("linear", (hd, d)),
+                f"{p}.attn.kv_norm.weight": Slot("float", (hd,)),
+                f"{p}.attn.wo_a": Slot("linear", (groups * o_lora, heads * hd // groups)),
+                f"{p}.attn.wo_b": Slot("linear", (d, groups * o_lora)),
+                f"{p}.attn.attn_sink": Slot("float", (heads,)),
+                f"{p}.ffn.gate.weight": Slot("float", (experts, d)),
+                f"{p}.ffn.shared_experts.w1": Slot("linear", (shared, d)),
+                f"{p}.ffn.shared_experts.w2": Slot("linear", (d, shared)),
+                f"{p}.ffn.shared_experts.w3": Slot("linear", (shared, d)),
+                f"{p}.ffn.switch_mlp.gate_proj": Slot("experts", (experts, inter, d)),
+                f"{p}.ffn.switch_mlp.up_proj": Slot("experts", (experts, inter, d)),
+                f"{p}.ffn.switch_mlp.down_proj": Slot("experts", (experts, d, inter)),
+            }
+        )
+        for site in ("attn", "ffn"):
+            s[f"{p}.hc_{site}_fn"] = Slot("float", (mix, hc * d))
+            s[f"{p}.hc_{site}_base"] = Slot("float", (mix,))
+            s[f"{p}.hc_{site}_scale"] = Slot("float", (3,))
+        if i < c.get("num_hash_layers", 0):
+            s[f"{p}.ffn.gate.tid2eid"] = Slot("int", (v, c["num_experts_per_tok"]))
+        else:
+            s[f"{p}.ffn.gate.bias"] = Slot("float", (experts,))
+        if r:
+            s.update(_compressor(f"{p}.attn.compressor", r, hd, d))
+        if r == 4:
+            s[f"{p}.attn.indexer.wq_b"] = Slot("linear", (ih * idim, q_lora))
+            s[f"{p}.attn.indexer.weights_proj"] = Slot("linear", (ih, d))
+            s.update(_compressor(f"{p}.attn.indexer.compressor", 4, idim, d))
+    return s
+
+
+def _compressor(prefix: str, ratio: int, head_dim: int, d: int) -> dict[str, Slot]:
+    width = head_dim * (2 if ratio == 4 else 1)
+    return {
+        f"{prefix}.wkv": Slot("linear", (width, d)),
+        f"{prefix}.wgate": Slot("linear", (width, d)),
+        f"{prefix}.ape": Slot("float", (ratio, width)),
+        f"{prefix}.norm.weight": Slot("float", (head_dim,)),
+    }
+
+
+# ---------------------------------------------------------------- reading
+
+
+_STACKED = re.compile(r"^layers\.(\d+)\.mlp\.switch_mlp\.(gate_proj|up_proj|down_proj)\.(\w+)$")
+_PER_EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w1|w2|w3)\.(\w+)$")
+_W_TO_PROJ = {w: p for p, w in PROJECTIONS.items()}
+
+
+def resolve_seed(path: Path, config: dict) -> int:
+    """`mxtq_seed` from config.json, else jang_config.json, else 42; two different values fail."""
+    found = {"config.json": config.get("mxtq_seed")}
+    jang = path / "jang_config.json"
+    if jang.is_file():
+        found["jang_config.json"] = json.loads(jang.read_text()).get("mxtq_seed")
+    values = {k: int(v) for k, v in found.items() if v is not None}
+    if len(set(values.values())) > 1:
+        raise BundleError(f"mxtq_seed disagrees between files: {values}")
+    return next(iter(values.values()), mxtq.DEFAULT_SEED)
+
+
+def _load_tensors(path: Path) -> dict[str, mx.array]:
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise BundleError(f"{index}: no weight_map")
+        by_file: dict[str, set[str]] = {}
+        for key, fname in weight_map.items():
+            by_file.setdefault(fname, set()).add(key)
+        for fname, keys in sorted(by_file.items()):
+            if not (path / fname).is_file():
+                raise BundleError(f"{INDEX_FILE} lists {fname} (e.g. {min(keys)}), not found")
+        tensors = {}
+        for fname, keys in sorted(by_file.items()):
+            shard = mx.load(str(path / fname))
+            missing, extra = keys - shard.keys(), shard.keys() - keys
+            if missing:
+                raise BundleError(f"{min(missing)}: in {INDEX_FILE} but not in {fname}")
+            if extra:
+                raise BundleError(f"{min(extra)}: in {fname} but not in {INDEX_FILE}")
+            tensors.update(shard)
+        return tensors
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise BundleError(f"{path}: no safetensors files")
+    tensors = {}
+    for f in files:
+        for key, value in mx.load(str(f)).items():
+            if key in tensors:
+                raise BundleError(f"{key}: stored twice ({f.name})")
+            tensors[key] = value
+    return tensors
+
+
+def _require(key: str, a: mx.array, shape: tuple, dtypes: tuple) -> None:
+    if a.dtype not in dtypes:
+        raise BundleError(f"{key}: dtype {a.dtype}, expected one of {[str(t) for t in dtypes]}")
+    if tuple(a.shape) != tuple(shape):
+        raise BundleError(f"{key}: shape {tuple(a.shape)}, expected {tuple(shape)}")
+
+
+def _affine_params(config: dict, name: str) -> tuple[int, int]:
+    q = config.get("quantization") or {}
+    own = q.get(name) if isinstance(q.get(name), dict) else {}
+    return int(own.get("bits", q.get("bits", 8))), int(
+        own.get("group_size", q.get("group_size", 32))
+    )
+
+
+def bit_plan(config: dict) -> dict[str, int]:
+    """`routed_expert_bit_plan.assignment` ("layer_L.<proj>": bits), top level or `quantization`."""
+    plan = {}
+    for holder in (config, config.get("quantization") or {}):
+        for key, bits in (
+            (holder.get("routed_expert_bit_plan") or {}).get("assignment") or {}
+        ).items():
+            if plan.get(key, bits) != bits:
+                raise BundleError(f"routed_expert_bit_plan: {key} is {plan[key]} and {bits}")
+            plan[key] = int(bits)
+    return plan
+
+
+def read(path: str | Path) -> Bundle:
+    """Read and validate a bundle against its config's schedule (see the module docstring)."""
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    if config.get("model_type") != "deepseek_v4":
+        raise BundleError(f"{path}/config.json: model_type {config.get('model_type')!r}")
+    slots = schedule(config)
+    seed = resolve_seed(path, config)
+    stored = _load_tensors(path)
+
+    # Group stored keys by slot; anything the schedule does not know is an error.
+    parts: dict[str, dict[str, tuple[str, mx.array]]] = {}
+    ignored = []
+    for key, a in stored.items():
+        if key.startswith("mtp."):
+            ignored.append(key)
+            continue
+        slot, part = _slot_of(key, slots)
+        if slot is None:
+            raise BundleError(f"{key}: not expected by the config's layer schedule")
+        parts.setdefault(slot, {})[part] = (key, a)
+
+    out: dict[str, mx.array] = {}
+    formats: dict[str, str | int] = {}
+    affine: dict[str, tuple[int, int]] = {}
+    plan = bit_plan(config)
+    for name, slot in slots.items():
+        got = parts.get(name, {})
+        if slot.kind in ("float", "int"):
+            if "" not in got:
+                raise BundleError(f"{name}: missing")
+            key, a = got[""]
+            _require(key, a, slot.shape, FLOATS if slot.kind == "float" else INTS)
+            out[name] = a
+        elif slot.kind in ("linear", "embedding"):
+            formats[name] = _read_linear(name, slot, got, config, out, affine)
+        else:
+            formats[name] = _read_experts(name, slot, got, out)
+            _check_plan(name, formats[name], plan)
+    return Bundle(config, out, formats, affine, seed, path, sorted(ignored))
+
+
+def _slot_of(key: str, slots: dict[str, Slot]) -> tuple[str | None, str]:
+    """(slot name, part) for a stored key; part "" is the whole tensor of a float/int slot."""
+    if key in slots:
+        return key, ""
+    m = _STACKED.match(key)
+    if m:
+        return f"layers.{m[1]}.ffn.switch_mlp.{m[2]}", f"stacked.{m[3]}"
+    m = _PER_EXPERT.match(key)
+    if m:
+        return f"layers.{m[1]}.ffn.switch_mlp.{_W_TO_PROJ[m[3]]}", f"expert.{m[2]}.{m[4]}"
+    base, _, leaf = key.rpartition(".")
+    if base in slots and leaf in ("weight", "scales", "biases"):
+        return base, leaf
+    return None, ""
+
+
+def _read_linear(name, slot, got, config, out, affine) -> str:
+    out_f, in_f = slot.shape
+    if set(got) == {"weight"}:
+        key, a = got["weight"]
+        _require(key, a, slot.shape, FLOATS)
+        out[f"{name}.weight"] = a
+        return "float"
+    for part in ("weight", "scales", "biases"):
+        if part not in got:
+            raise BundleError(f"{name}.{part}: missing")
+    bits, group = _affine_params(config, name)
+    if in_f % group:
+        raise BundleError(f"{name}.scales: in_features {in_f} not divisible by group {group}")
+    key, w = got["weight"]
+    _require(key, w, (out_f, in_f * bits // 32), (mx.uint32,))
+    for part in ("scales", "biases"):
+        key, a = got[part]
+        _require(key, a, (out_f, in_f // group), FLOATS)
+        out[f"{name}.{part}"] = a
+    out[f"{name}.weight"] = w
+    affine[name] = (bits, group)
+    return "affine"
+
+
+def _read_experts(name, slot, got, out) -> str | int:
+    n_exp, out_f, in_f = slot.shape
+    kinds = {p.split(".")[0] for p in got}
+    if not got:
+        raise BundleError(f"{name}: missing (stacked .tq_packed/.weight or per-expert keys)")
+    if len(kinds) > 1:
+        raise BundleError(f"{name}: both stacked and per-expert keys are stored")
+    if kinds == {"stacked"}:
+        fields = {p.split(".", 1)[1]: ka for p, ka in got.items()}
+    else:  # per expert: every expert needs the same fields; stack them
+        by_expert: dict[int, dict[str, tuple[str, mx.array]]] = {}
+        for p, ka in got.items():
+            _, e, leaf = p.split(".")
+            if int(e) >= n_exp:
+                raise BundleError(f"{ka[0]}: expert {e} >= n_routed_experts {n_exp}")
+            by_expert.setdefault(int(e), {})[leaf] = ka
+        leaves = set(by_expert.get(0, {}))
+        for e in range(n_exp):
+            if set(by_expert.get(e, {})) != leaves:
+                miss = sorted(leaves - set(by_expert.get(e, {}))) or ["?"]
+                raise BundleError(f"{_per_expert_key(name, e, miss[0])}: missing")
+        fields = {}
+        for leaf in leaves:
+            keys = [by_expert[e][leaf][0] for e in range(n_exp)]
+            arrays = [by_expert[e][leaf][1] for e in range(n_exp)]
+            if leaf == "tq_bits":
+                values = {int(a.reshape(-1)[0].item()) for a in arrays}
+                if len(values) > 1:
+                    raise BundleError(f"{keys[0]}: experts of one projection differ in bits")
+                fields[leaf] = (keys[0], arrays[0])
+                continue
+            for k, a in zip(keys, arrays):
+                if a.shape != arrays[0].shape or a.dtype != arrays[0].dtype:
+                    raise BundleError(f"{k}: shape/dtype differs from expert 0")
+            fields[leaf] = (f"{keys[0]} (stacked)", mx.stack(arrays))
+
+    if set(fields) == {"weight"}:
+        key, a = fields["weight"]
+        _require(key, a, slot.shape, FLOATS)
+        out[f"{name}.weight"] = a
+        return "float"
+    for leaf in ("tq_packed", "tq_norms", "tq_bits"):
+        if leaf not in fields:
+            raise BundleError(f"{name}.{leaf}: missing")
+    extra = set(fields) - {"tq_packed", "tq_norms", "tq_bits"}
+    if extra:
+        raise BundleError(f"{name}.{min(extra)}: unexpected next to MXTQ tensors")
+    key, b = fields["tq_bits"]
+    _require(key, b, (1,), INTS)
+    bits = int(b.item())
+    if bits not in mxtq.SUPPORTED_BITS:
+        raise BundleError(f"{key}: {bits} bits, supported {mxtq.SUPPORTED_BITS}")
+    try:
+        mxtq.check_in_features(in_f, bits)
+    except ValueError as e:
+        raise BundleError(f"{fields['tq_packed'][0]}: {e}") from None
+    key, packed = fields["tq_packed"]
+    _require(key, packed, (n_exp, out_f, in_f // mxtq.values_per_word(bits)), (mx.uint32,))
+    key, norms = fields["tq_norms"]
+    _require(key, norms, (n_exp, out_f), (mx.float16,))
+    out[f"{name}.tq_packed"], out[f"{name}.tq_norms"] = packed, norms
+    out[f"{name}.tq_bits"] = mx.array([bits], dtype=mx.int32)
+    return bits
+
+
+def _per_expert_key(name: str, e: int, leaf: str) -> str:
+    layer, proj = name.split(".")[1], name.rsplit(".", 1)[1]
+    return f"layers.{layer}.ffn.experts.{e}.{PROJECTIONS[proj]}.{leaf}"
+
+
+def _check_plan(name: str, fmt: str | int, plan: dict[str, int]) -> None:
+    layer, proj = name.split(".")[1], name.rsplit(".", 1)[1]
+    want = plan.get(f"layer_{layer}.{proj}")
+    if want is None:
+        return
+    if fmt == "float":
+        raise BundleError(f"{name}: the bit plan says {want} bits but the experts are float")
+    if want != fmt:
+        raise BundleError(
+            f"layers.{layer}.mlp.switch_mlp.{proj}.tq_bits is {fmt}, but "
+            f"routed_expert_bit_plan assigns layer_{layer}.{proj} = {want}"
+        )
+
+
+# ---------------------------------------------------------------- writing
+
+
+def write(
+    path: str | Path,
+    config: dict,
+    weights: dict[str, np.ndarray],
+    *,
+    expert_bits: dict[str, int] | None = None,
+    quantize: bool = True,
+    per_expert: bool = False,
+    shards: int = 2,
+) -> Path:
+    """Write float weights (model parameter names) as a bundle in jang's layout.
+
+    quantize: linears as MLX affine 8-bit group 32, routed experts as MXTQ with
+    `expert_bits["layer_L.<proj>"]` bits (default 4); the plan is recorded in config.json.
+    Otherwise everything is float32 under the official names. per_expert: routed experts under
+    `layers.L.ffn.experts.E.w{1,2,3}` instead of pre-stacked `layers.L.mlp.switch_mlp.*`.
+    For tests, demos and converters; deterministic for deterministic input.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    slots = schedule(config)
+    seed = int(config.get("mxtq_seed", mxtq.DEFAULT_SEED))
+    expert_bits = expert_bits or {}
+    config = dict(config, model_type="deepseek_v4")
+    out: dict[str, np.ndarray] = {}
+    plan = {}
+    for name, slot in slots.items():
+        w = weights[name if slot.kind in ("float", "int") else f"{name}.weight"]
+        if slot.kind == "int":
+            out[name] = np.asarray(w, dtype=np.int32)
+        elif slot.kind == "float":
+            f32 = not quantize or _F32_PASSTHROUGH.search(name)
+            out[name] = np.asarray(w, dtype=np.float32 if f32 else np.float16)
+        elif slot.kind == "experts":
+            layer, proj = name.split(".")[1], name.rsplit(".", 1)[1]
+            if quantize:
+                bits = expert_bits.get(f"layer_{layer}.{proj}", 4)
+                plan[f"layer_{layer}.{proj}"] = bits
+                q = mxtq.encode(np.asarray(w, np.float32), bits, seed)
+                stacked = q.tensors(f"layers.{layer}.mlp.switch_mlp.{proj}")
+                # jang's prestack rewrites tq_bits as uint8.
+                stacked = {
+                    k: v.astype(np.uint8) if k.endswith("tq_bits") else v
+                    for k, v in stacked.items()
+                }
+            else:
+                stacked = {f"layers.{layer}.mlp.switch_mlp.{proj}.weight": np.float32(w)}
+            if per_expert:
+                for key, v in stacked.items():
+                    leaf = key.rsplit(".", 1)[1]
+                    for e in range(slot.shape[0]):
+                        ek = f"layers.{layer}.ffn.experts.{e}.{PROJECTIONS[proj]}.{leaf}"
+                        out[ek] = v if leaf == "tq_bits" else v[e]
+            else:
+                out.update(stacked)
+        elif quantize:
+            wq, scales, biases = mx.quantize(mx.array(w, dtype=mx.float32), group_size=32, bits=8)
+            out[f"{name}.weight"] = np.array(wq)
+            out[f"{name}.scales"] = np.array(scales.astype(mx.float16))
+            out[f"{name}.biases"] = np.array(biases.astype(mx.float16))
+        else:
+            out[f"{name}.weight"] = np.asarray(w, dtype=np.float32)
+
+    if quantize:
+        config["quantization"] = {"bits": 8, "group_size": 32, "mode": "affine"}
+        config["weight_format"] = "mxtq"
+        config["mxtq_seed"] = seed
+        config["routed_expert_bit_plan"] = {
+            "codec": "mxtq",
+            "bits_used": sorted(set(plan.values())),
+            "assignment": plan,
+        }
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _write_shards(path, out, shards)
+    return path
+
+
+def _write_shards(path: Path, tensors: dict[str, np.ndarray], shards: int) -> None:
+    # jang's rebundler writes the stacked expert groups first; keep that order.
+    keys = sorted(tensors, key=lambda k: (".switch_mlp." not in k, k))
+    shards = max(1, min(shards, len(keys)))
+    if shards == 1:
+        mx.save_safetensors(
+            str(path / "model.safetensors"),
+            {k: mx.array(tensors[k]) for k in keys},
+            metadata={"format": "mlx"},
+        )
+        return
+    weight_map, total = {}, 0
+    for i, chunk in enumerate(np.array_split(np.array(keys, dtype=object), shards)):
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        arrays = {k: mx.array(tensors[k]) for k in chunk}
+        mx.save_safetensors(str(path / fname), arrays, metadata={"format": "mlx"})
+        weight_map.update({k: fname for k in chunk})
+        total += sum(a.nbytes for a in arrays.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

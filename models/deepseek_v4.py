@@ -1,0 +1,594 @@
+"""DeepSeek-V4 (model_type `deepseek_v4`): mHC streams, sliding-window + compressed attention, MoE.
+
+Spec: shared/specs/deepseek-v4.md (math: shared/research/dsv4_arch.md §3-§4). Parameter names are
+the official checkpoint names (`layers.L.attn.wq_a.weight`, ...) with routed experts stacked under
+`layers.L.ffn.switch_mlp.{gate,up,down}_proj`, so a loader only renames and stacks.
+
+Every call continues from the cache: a full prefill, a chunk, one decode token or a γ+1-token
+verification are the same code path, and `DSV4Cache.trim(k)` rolls back exactly (see the cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import BaseModelArgs
+from mlx_lm.models.rope_utils import YarnRoPE
+from mlx_lm.models.switch_layers import SwitchLinear
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_lora_rank: int
+    o_groups: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    compress_ratios: list[int]
+    model_type: str = "deepseek_v4"
+    n_shared_experts: int = 1
+    num_hash_layers: int = 0
+    routed_scaling_factor: float = 1.0
+    scoring_func: str = "sqrtsoftplus"
+    swiglu_limit: float = 0.0
+    sliding_window: int = 128
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 10000.0
+    rope_parameters: dict | None = None
+    rope_scaling: dict | None = None
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 1048576
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self):
+        n = self.num_hidden_layers
+        if len(self.compress_ratios) < n:
+            raise ValueError(f"compress_ratios has {len(self.compress_ratios)} entries, need {n}")
+        # Entries past num_hidden_layers belong to MTP layers, which are not built.
+        self.compress_ratios = [int(r) for r in self.compress_ratios[:n]]
+        bad = sorted({r for r in self.compress_ratios if r not in (0, 4, 128)})
+        if bad:
+            raise ValueError(f"compress_ratios may hold 0, 4 and 128 only, got {bad}")
+        if self.scoring_func != "sqrtsoftplus":
+            raise ValueError(f"scoring_func {self.scoring_func!r} is not supported")
+        if self.tie_word_embeddings:
+            raise ValueError("tied embeddings are not part of DeepSeek-V4")
+
+
+# ---------------------------------------------------------------- small pieces
+
+
+class PartialRoPE(nn.Module):
+    """Interleaved RoPE on the *last* `dims` channels (DSV4 heads are [nope | rope]).
+
+    YaRN frequencies without the attention temperature: the reference rotates by unit-modulus
+    factors, so mscale is pinned to 1. A plain table is YaRN with factor 1.
+    """
+
+    def __init__(self, dims: int, base: float, yarn: dict | None):
+        super().__init__()
+        yarn = yarn or {}
+        self.dims = dims
+        self.rope = YarnRoPE(
+            dims,
+            traditional=True,
+            base=base,
+            scaling_factor=yarn.get("factor", 1.0),
+            original_max_position_embeddings=yarn.get("original_max_position_embeddings", 4096),
+            beta_fast=yarn.get("beta_fast", 32),
+            beta_slow=yarn.get("beta_slow", 1),
+            mscale=1,
+            mscale_all_dim=1,
+        )
+
+    def __call__(self, x: mx.array, offset: int, scale: float = 1.0, inverse: bool = False):
+        """x [..., T, D]: row i is rotated at position (offset + i) · scale."""
+        rot = self.rope(x[..., -self.dims :], offset=offset, scale=scale, inverse=inverse)
+        return mx.concatenate([x[..., : -self.dims], rot], axis=-1)
+
+
+def _yarn_config(args: ModelArgs) -> dict | None:
+    params = args.rope_parameters or args.rope_scaling or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    return params if kind == "yarn" else None
+
+
+def fp8_fake_quant(x: mx.array, block: int = 64) -> mx.array:
+    """QAT simulation of the reference's FP8 e4m3 activations (power-of-two block scales)."""
+    xb = x.reshape(*x.shape[:-1], x.shape[-1] // block, block).astype(mx.float32)
+    amax = mx.maximum(mx.abs(xb).max(axis=-1, keepdims=True), 1e-4)
+    scale = mx.power(2.0, mx.ceil(mx.log2(amax / 448.0)))
+    q = mx.from_fp8(mx.to_fp8(mx.clip(xb / scale, -448.0, 448.0)), mx.float32) * scale
+    return q.reshape(x.shape).astype(x.dtype)
+
+
+def fp4_fake_quant(x: mx.array, block: int = 32) -> mx.array:
+    """QAT simulation of FP4 e2m1 (grid 0, .5, 1, 1.5, 2, 3, 4, 6; round half to even)."""
+    xb = x.reshape(*x.shape[:-1], x.shape[-1] // block, block).astype(mx.float32)
+    amax = mx.maximum(mx.abs(xb).max(axis=-1, keepdims=True), 6.0 * 2.0**-126)
+    scale = mx.power(2.0, mx.ceil(mx.log2(amax / 6.0)))
+    y = mx.minimum(mx.abs(xb / scale), 6.0)
+    # e2m1 spacing is 0.5 below 2, 1 below 4 and 2 up to 6; mx.round rounds half to even.
+    step = mx.where(y < 2.0, 0.5, mx.where(y < 4.0, 1.0, 2.0))
+    q = mx.sign(xb) * mx.round(y / step) * step * scale
+    return q.reshape(x.shape).astype(x.dtype)
+
+
+def hadamard_fp4(x: mx.array) -> mx.array:
+    """Indexer QAT: orthonormal Walsh-Hadamard rotation, then FP4 (only the FP4 changes q·k)."""
+    return fp4_fake_quant(mx.hadamard_transform(x.astype(mx.float32)))
+
+
+def swiglu_clamped(gate: mx.array, up: mx.array, limit: float) -> mx.array:
+    """The reference clamps gate from above only and up on both sides."""
+    if limit > 0:
+        gate, up = mx.minimum(gate, limit), mx.clip(up, -limit, limit)
+    return nn.silu(gate) * up
+
+
+# ---------------------------------------------------------------- cache
+
+
+class _Pool:
+    """One compressor's state: raw (kv, gate + ape) rows and the compressed entries so far.
+
+    Entries are immutable once their block is complete, so rollback keeps floor(p/ratio) of
+    them; the raw rows of the pending block (and, at ratio 4, the block before it, whose first
+    half feeds the next entry) rebuild it exactly.
+    """
+
+    def __init__(self, ratio: int, overlap: bool):
+        self.ratio, self.overlap = ratio, overlap
+        self.kv = self.gate = self.entries = None
+        self.start = 0  # position of raw row 0
+
+    @property
+    def num_entries(self) -> int:
+        return 0 if self.entries is None else self.entries.shape[1]
+
+    def keep_from(self, floor: int) -> None:
+        start = max(0, (floor // self.ratio - int(self.overlap)) * self.ratio)
+        if self.kv is not None and start > self.start:
+            cut = start - self.start
+            self.kv, self.gate, self.start = self.kv[:, cut:], self.gate[:, cut:], start
+
+    def trim_to(self, offset: int) -> None:
+        if self.kv is not None:
+            keep = offset - self.start
+            self.kv, self.gate = self.kv[:, :keep], self.gate[:, :keep]
+        if self.entries is not None:
+            self.entries = self.entries[:, : offset // self.ratio]
+
+
+class DSV4Cache:
+    """Per-layer state with exact rollback of up to `max_rollback` tokens.
+
+    Holds the last window - 1 + max_rollback K=V rows, the compressed entries and the raw rows
+    a pending compressor block needs. Nothing is a running nonlinear state, so `trim(k)` only
+    drops rows and entries. Rolling back past what was kept is an error, never an approximation.
+    """
+
+    def __init__(self, window: int, ratio: int, max_rollback: int = 32):
+        self.window, self.ratio, self.max_rollback = window, ratio, max_rollback
+        self.offset = 0
+        self.floor = 0  # the earliest offset `trim` can return to
+        self.keys = None  # [B, 1, n, head_dim] window rows from position keys_start
+        self.keys_start = 0
+        self.pools: dict[str, _Pool] = {}
+        if ratio:
+            self.pools["compressor"] = _Pool(ratio, overlap=ratio == 4)
+        if ratio == 4:
+            self.pools["indexer"] = _Pool(ratio, overlap=True)
+
+    def append_keys(self, kv: mx.array) -> mx.array:
+        self.keys = kv if self.keys is None else mx.concatenate([self.keys, kv], axis=2)
+        return self.keys
+
+    def advance(self, n: int) -> None:
+        """Called once the layer has consumed n tokens: move on and drop unneeded history."""
+        self.offset += n
+        self.floor = max(self.floor, self.offset - self.max_rollback)
+        start = max(0, self.floor - self.window + 1)
+        if start > self.keys_start:
+            self.keys = self.keys[:, :, start - self.keys_start :]
+            self.keys_start = start
+        for pool in self.pools.values():
+            pool.keep_from(self.floor)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        if self.offset - n < self.floor:
+            raise ValueError(
+                f"cannot roll back {n} tokens from offset {self.offset}: history kept down to "
+                f"offset {self.floor} (max_rollback={self.max_rollback})"
+            )
+        self.offset -= n
+        if self.keys is not None:
+            self.keys = self.keys[:, :, : self.offset - self.keys_start]
+        for pool in self.pools.values():
+            pool.trim_to(self.offset)
+        return n
+
+    @property
+    def state(self) -> list[mx.array]:
+        arrays = [self.keys] + [a for p in self.pools.values() for a in (p.kv, p.gate, p.entries)]
+        return [a for a in arrays if a is not None]
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state)
+
+
+# ---------------------------------------------------------------- attention
+
+
+class Compressor(nn.Module):
+    """Gated pooling of `ratio` rows into one entry (ratio 4: 8 overlapping rows), per channel."""
+
+    def __init__(self, args: ModelArgs, ratio: int, head_dim: int, rope: PartialRoPE):
+        super().__init__()
+        self.ratio, self.head_dim = ratio, head_dim
+        width = head_dim * (2 if ratio == 4 else 1)
+        self.wkv = nn.Linear(args.hidden_size, width, bias=False)
+        self.wgate = nn.Linear(args.hidden_size, width, bias=False)
+        self.ape = mx.zeros((ratio, width))
+        self.norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
+        self._rope = rope  # shared with the attention; not a parameter
+
+    def __call__(self, x: mx.array, pool: _Pool, offset: int) -> mx.array:
+        """Feed positions offset.. offset+L-1; return all entries so far [B, n, head_dim]."""
+        B, L, _ = x.shape
+        r = self.ratio
+        kv = self.wkv(x).astype(mx.float32)
+        gate = self.wgate(x).astype(mx.float32) + self.ape[(offset + mx.arange(L)) % r]
+        if pool.kv is None:
+            pool.kv, pool.gate, pool.start = kv, gate, offset
+        else:
+            pool.kv = mx.concatenate([pool.kv, kv], axis=1)
+            pool.gate = mx.concatenate([pool.gate, gate], axis=1)
+        first, last = pool.num_entries, (offset + L) // r
+        if last > first:
+            new = self._pool_blocks(pool, first, last)
+            pool.entries = new if pool.entries is None else mx.concatenate([pool.entries, new], 1)
+        if pool.entries is None:
+            return mx.zeros((B, 0, self.head_dim), dtype=x.dtype)
+        return pool.entries
+
+    def _pool_blocks(self, pool: _Pool, first: int, last: int) -> mx.array:
+        r, d = self.ratio, self.head_dim
+        B, m = pool.kv.shape[0], last - first
+        lo = max(first - int(pool.overlap), 0) * r - pool.start
+        kv = pool.kv[:, lo : last * r - pool.start]
+        gate = pool.gate[:, lo : last * r - pool.start]
+        kv, gate = kv.reshape(B, -1, r, kv.shape[-1]), gate.reshape(B, -1, r, gate.shape[-1])
+        if pool.overlap:
+            if first == 0:  # entry 0 has no previous block: zero rows with zero weight
+                kv = mx.concatenate([mx.zeros_like(kv[:, :1]), kv], axis=1)
+                gate = mx.concatenate([mx.full(gate[:, :1].shape, -mx.inf), gate], axis=1)
+            # Entry j pools the first half of block j-1's rows with the second half of block j's.
+            kv = mx.concatenate([kv[:, :m, :, :d], kv[:, 1:, :, d:]], axis=2)
+            gate = mx.concatenate([gate[:, :m, :, :d], gate[:, 1:, :, d:]], axis=2)
+        pooled = (mx.softmax(gate, axis=2, precise=True) * kv).sum(axis=2)
+        pooled = self.norm(pooled)
+        # Entry j is rotated at its block's first position j·ratio.
+        return self._rope(pooled[:, None], offset=first, scale=float(r))[:, 0]
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: picks the top-k compressed entries per query on ratio-4 layers."""
+
+    def __init__(self, args: ModelArgs, rope: PartialRoPE):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = (
+            args.index_n_heads,
+            args.index_head_dim,
+            args.index_topk,
+        )
+        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
+        self.compressor = Compressor(args, 4, self.head_dim, rope)
+        self._rope = rope
+
+    def __call__(
+        self, x: mx.array, qr: mx.array, pool: _Pool, offset: int, visible: mx.array, qat: bool
+    ) -> mx.array:
+        """visible [1, L, N] -> [B or 1, L, N]: the entries each query attends to."""
+        B, L, _ = x.shape
+        keys = self.compressor(x, pool, offset)
+        if keys.shape[1] <= self.topk:
+            return visible  # the top-k of at most k entries is all of them
+        q = self.wq_b(qr).reshape(B, L, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
+        q = self._rope(q, offset=offset)
+        if qat:
+            q, keys = hadamard_fp4(q), hadamard_fp4(keys)
+        scores = mx.maximum(q.astype(mx.float32) @ keys[:, None].swapaxes(-1, -2), 0)
+        w = self.weights_proj(x).astype(mx.float32) * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        score = (scores * w.transpose(0, 2, 1)[..., None]).sum(axis=1)  # [B, L, N]
+        score = mx.where(visible, score, -mx.inf)
+        top = mx.argpartition(-score, self.topk - 1, axis=-1)[..., : self.topk]
+        chosen = mx.put_along_axis(
+            mx.zeros(score.shape, dtype=mx.bool_), top, mx.array(True), axis=-1
+        )
+        return chosen & visible
+
+
+class Attention(nn.Module):
+    """One shared K=V head with sinks over window rows ∪ (selected) compressed entries."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.n_heads, self.head_dim = args.num_attention_heads, args.head_dim
+        self.rope_dims = args.qk_rope_head_dim
+        self.o_groups = args.o_groups
+        self.window, self.eps = args.sliding_window, args.rms_norm_eps
+        self.ratio = args.compress_ratios[layer]
+        self.scale = self.head_dim**-0.5
+        d = args.hidden_size
+        self.wq_a = nn.Linear(d, args.q_lora_rank, bias=False)
+        self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=args.rms_norm_eps)
+        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(d, self.head_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        # wo_a is block-diagonal: rows g·o_lora.. of the 2-D matrix act on head group g only.
+        group_in = self.n_heads * self.head_dim // self.o_groups
+        self.wo_a = nn.Linear(group_in, self.o_groups * args.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(self.o_groups * args.o_lora_rank, d, bias=False)
+        self.attn_sink = mx.zeros((self.n_heads,))
+        # Sliding-only layers use rope_theta without YaRN; compressed layers share one YaRN table
+        # across q/kv, their compressor and their indexer.
+        if self.ratio:
+            self.rope = PartialRoPE(self.rope_dims, args.compress_rope_theta, _yarn_config(args))
+            self.compressor = Compressor(args, self.ratio, self.head_dim, self.rope)
+        else:
+            self.rope = PartialRoPE(self.rope_dims, args.rope_theta, None)
+        if self.ratio == 4:
+            self.indexer = Indexer(args, self.rope)
+
+    def _fp8_kv(self, kv: mx.array) -> mx.array:
+        nope = kv[..., : -self.rope_dims]
+        return mx.concatenate([fp8_fake_quant(nope), kv[..., -self.rope_dims :]], axis=-1)
+
+    def __call__(self, x: mx.array, cache: DSV4Cache, qat: bool = False) -> mx.array:
+        B, L, _ = x.shape
+        p = cache.offset
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).reshape(B, L, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
+        q = self.rope(mx.fast.rms_norm(q, None, self.eps), offset=p)
+        kv = self.rope(self.kv_norm(self.wkv(x))[:, None], offset=p)
+        if qat:
+            kv = self._fp8_kv(kv)
+        keys = cache.append_keys(kv)
+
+        qpos = p + mx.arange(L)[:, None]
+        kpos = cache.keys_start + mx.arange(keys.shape[2])[None]
+        mask = (kpos <= qpos) & (kpos > qpos - self.window)
+        if self.ratio:
+            entries = self.compressor(x, cache.pools["compressor"], p)
+            if qat:
+                entries = self._fp8_kv(entries)
+            # Query t sees entry j once its block is complete: (j + 1) · ratio <= t + 1.
+            visible = (mx.arange(entries.shape[1])[None] < (qpos + 1) // self.ratio)[None]
+            if self.ratio == 4:
+                visible = self.indexer(x, qr, cache.pools["indexer"], p, visible, qat)
+            keys = mx.concatenate([keys, entries[:, None].astype(keys.dtype)], axis=2)
+            mask = mx.broadcast_to(mask, (visible.shape[0], *mask.shape))
+            mask = mx.concatenate([mask, visible], axis=-1)
+        mask = mask.reshape(-1, 1, L, keys.shape[2])
+        cache.advance(L)
+
+        o = mx.fast.scaled_dot_product_attention(
+            q, keys, keys, scale=self.scale, mask=mask, sinks=self.attn_sink.astype(q.dtype)
+        )
+        # V = K carries RoPE; rotating the output back makes each value's share relative.
+        o = self.rope(o, offset=p, inverse=True)
+        o = o.transpose(0, 2, 1, 3).reshape(B, L, self.o_groups, -1)
+        return self.wo_b(self._grouped_wo_a(o).reshape(B, L, -1))
+
+    def _grouped_wo_a(self, o: mx.array) -> mx.array:
+        """[B, L, G, in_g] -> [B, L, G, o_lora] with group g using rows g·o_lora.. of wo_a."""
+        G, lin = self.o_groups, self.wo_a
+        xg = o.transpose(2, 0, 1, 3)  # [G, B, L, in_g]
+        if isinstance(lin, nn.QuantizedLinear):
+            w, s, b = (a.reshape(G, -1, a.shape[-1]) for a in (lin.weight, lin.scales, lin.biases))
+            y = mx.quantized_matmul(
+                xg, w[:, None], s[:, None], b[:, None], True, lin.group_size, lin.bits
+            )
+        else:
+            y = xg @ lin.weight.reshape(G, 1, -1, lin.weight.shape[-1]).swapaxes(-1, -2)
+        return y.transpose(1, 2, 0, 3)
+
+
+# ---------------------------------------------------------------- MoE
+
+
+class Gate(nn.Module):
+    """sqrt(softplus) scores; experts by top-k of score + bias, or by tid2eid on hash layers."""
+
+    def __init__(self, args: ModelArgs, hashed: bool):
+        super().__init__()
+        self.top_k, self.route_scale = args.num_experts_per_tok, args.routed_scaling_factor
+        self.weight = mx.zeros((args.n_routed_experts, args.hidden_size))
+        if hashed:
+            self.tid2eid = mx.zeros((args.vocab_size, self.top_k), dtype=mx.int32)
+        else:
+            self.bias = mx.zeros((args.n_routed_experts,))
+
+    def __call__(self, x: mx.array, ids: mx.array) -> tuple[mx.array, mx.array]:
+        scores = mx.sqrt(nn.softplus(x.astype(mx.float32) @ self.weight.T.astype(mx.float32)))
+        if "tid2eid" in self:
+            idx = self.tid2eid[ids].astype(mx.uint32)
+        else:
+            # The bias only chooses experts; the weights come from the unbiased scores.
+            idx = mx.argpartition(-(scores + self.bias), self.top_k - 1, axis=-1)[..., : self.top_k]
+        w = mx.take_along_axis(scores, idx, axis=-1)
+        return idx, w / w.sum(axis=-1, keepdims=True) * self.route_scale
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, dim: int, hidden: int, limit: float):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
+        self.w2 = nn.Linear(hidden, dim, bias=False)  # down
+        self.w3 = nn.Linear(dim, hidden, bias=False)  # up
+        self.limit = limit
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.w2(swiglu_clamped(self.w1(x), self.w3(x), self.limit))
+
+
+class SwitchMLP(nn.Module):
+    """Routed experts; the projections may be float SwitchLinear or MXTQSwitchLinear."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        d, h, e = args.hidden_size, args.moe_intermediate_size, args.n_routed_experts
+        self.gate_proj = SwitchLinear(d, h, e, bias=False)
+        self.up_proj = SwitchLinear(d, h, e, bias=False)
+        self.down_proj = SwitchLinear(h, d, e, bias=False)
+
+    def gate_up(self, x: mx.array, idx: mx.array) -> tuple[mx.array, mx.array]:
+        g, u = self.gate_proj, self.up_proj
+        if hasattr(g, "apply_rotated") and hasattr(u, "apply_rotated"):
+            xr = g.rotate(x)  # gate and up share in_features and seed, hence the rotation
+            return g.apply_rotated(xr, idx), u.apply_rotated(xr, idx)
+        return g(x, idx), u(x, idx)
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.limit = args.swiglu_limit
+        self.gate = Gate(args, hashed=layer < args.num_hash_layers)
+        self.switch_mlp = SwitchMLP(args)
+        self.shared_experts = SharedExpert(
+            args.hidden_size, args.moe_intermediate_size * args.n_shared_experts, self.limit
+        )
+
+    def __call__(self, x: mx.array, ids: mx.array) -> mx.array:
+        idx, w = self.gate(x, ids)
+        xe = x.astype(mx.float32)[..., None, None, :]  # [B, L, 1, 1, D]
+        g, u = self.switch_mlp.gate_up(xe, idx)
+        # The route weight scales the activation before down_proj, as in the reference.
+        h = swiglu_clamped(g, u, self.limit) * w[..., None, None]
+        y = self.switch_mlp.down_proj(h, idx).squeeze(-2).sum(axis=-2)
+        return (y + self.shared_experts(x).astype(mx.float32)).astype(x.dtype)
+
+
+# ---------------------------------------------------------------- hyper-connections
+
+
+@partial(mx.compile, shapeless=True)  # ~80 tiny ops per call: fuse them
+def _sinkhorn(logits: mx.array, iters: int, eps: float) -> mx.array:
+    """Row softmax + eps, one column normalization, then (iters - 1) × (row, column)."""
+    c = mx.softmax(logits, axis=-1, precise=True) + eps
+    c = c / (c.sum(axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(axis=-1, keepdims=True) + eps)
+        c = c / (c.sum(axis=-2, keepdims=True) + eps)
+    return c
+
+
+def _hc_mix(streams: mx.array, fn: mx.array, eps: float) -> mx.array:
+    """Unweighted RMS norm over all streams, then the learned projection (float32)."""
+    flat = streams.reshape(*streams.shape[:2], -1).astype(mx.float32)
+    return mx.fast.rms_norm(flat, None, eps) @ fn.T
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.args = args
+        hc, d = args.hc_mult, args.hidden_size
+        self.attn_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
+        self.ffn_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
+        self.attn = Attention(args, layer)
+        self.ffn = MoE(args, layer)
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", mx.zeros(((2 + hc) * hc, hc * d)))
+            setattr(self, f"hc_{site}_base", mx.zeros(((2 + hc) * hc,)))
+            setattr(self, f"hc_{site}_scale", mx.ones((3,)))
+
+    def _hc_pre(self, streams: mx.array, site: str):
+        a, hc = self.args, self.args.hc_mult
+        fn, base, scale = (getattr(self, f"hc_{site}_{n}") for n in ("fn", "base", "scale"))
+        m = _hc_mix(streams, fn, a.rms_norm_eps)
+        pre = mx.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + a.hc_eps
+        post = 2 * mx.sigmoid(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+        comb = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).reshape(*m.shape[:2], hc, hc)
+        comb = _sinkhorn(comb, a.hc_sinkhorn_iters, a.hc_eps)
+        x = (pre[..., None] * streams).sum(axis=2).astype(streams.dtype)
+        return x, post, comb
+
+    @staticmethod
+    def _hc_post(y: mx.array, streams: mx.array, post: mx.array, comb: mx.array) -> mx.array:
+        # Output stream k = post_k · y + Σ_j comb[j, k] · stream j, i.e. combᵀ (not comb).
+        mixed = comb.swapaxes(-1, -2) @ streams.astype(mx.float32)
+        return (post[..., None] * y[:, :, None].astype(mx.float32) + mixed).astype(streams.dtype)
+
+    def __call__(self, streams: mx.array, ids: mx.array, cache: DSV4Cache, qat: bool):
+        x, post, comb = self._hc_pre(streams, "attn")
+        streams = self._hc_post(self.attn(self.attn_norm(x), cache, qat), streams, post, comb)
+        x, post, comb = self._hc_pre(streams, "ffn")
+        return self._hc_post(self.ffn(self.ffn_norm(x), ids), streams, post, comb)
+
+
+class Model(nn.Module):
+    """mlx-lm style: `model(inputs [B, T], cache) -> logits [B, T, V]` for every position.
+
+    `qat = True` turns on the reference's QAT simulation (FP8 KV, Hadamard + FP4 indexer).
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [Block(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        hc = args.hc_mult
+        self.hc_head_fn = mx.zeros((hc, hc * args.hidden_size))
+        self.hc_head_base = mx.zeros((hc,))
+        self.hc_head_scale = mx.ones((1,))
+        self.qat = False
+
+    def __call__(self, inputs: mx.array, cache: list[DSV4Cache] | None = None) -> mx.array:
+        if cache is None:
+            cache = self.make_cache()
+        h = self.embed(inputs)
+        streams = mx.broadcast_to(h[:, :, None], (*h.shape[:2], self.args.hc_mult, h.shape[-1]))
+        for layer, c in zip(self.layers, cache):
+            streams = layer(streams, inputs, c, self.qat)
+        # Final collapse: sigmoid weights only, no Sinkhorn.
+        m = _hc_mix(streams, self.hc_head_fn, self.args.rms_norm_eps)
+        pre = mx.sigmoid(m * self.hc_head_scale + self.hc_head_base) + self.args.hc_eps
+        y = (pre[..., None] * streams).sum(axis=2).astype(h.dtype)
+        return self.head(self.norm(y)).astype(mx.float32)
+
+    def make_cache(self, max_rollback: int = 32) -> list[DSV4Cache]:
+        a = self.args
+        return [DSV4Cache(a.sliding_window, r, max_rollback) for r in a.compress_ratios]
+
+
+__all__ = ["ModelArgs", "Model", "DSV4Cache", "fp8_fake_quant", "fp4_fake_quant"]
