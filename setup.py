@@ -1,6 +1,26 @@
+import os
 import sys
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HOOK = "bitnest_mlx_hook.pth"
+
+
+class BuildPyWithHook(build_py):
+    """Also install bitnest_mlx_hook.pth at the top of site-packages (the mlx-lm plugin hook).
+
+    A wheel's top level is build_lib; an editable wheel is assembled from install_lib instead.
+    """
+
+    def run(self):
+        super().run()
+        top = self.get_finalized_command("install").install_lib if self.editable_mode else None
+        self.copy_file(HOOK, os.path.join(top or self.build_lib, HOOK))
+
+    def get_outputs(self, include_bytecode=1):
+        return [*super().get_outputs(include_bytecode), os.path.join(self.build_lib, HOOK)]
+
 
 mlx = "mlx[cpu]>=0.32" if sys.platform.startswith("linux") else "mlx>=0.32"
 
@@ -11,8 +31,11 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
+    cmdclass={"build_py": BuildPyWithHook},
+    py_modules=["bitnest_mlx_hook"],  # stdlib only: what the .pth imports at every startup
     packages=[
         "bitnest_mlx",
+        "bitnest_mlx.convert",
         "bitnest_mlx.formats",
         "bitnest_mlx.layers",
         "bitnest_mlx.models",
@@ -36,6 +59,7 @@ setup(
         "tokenizers",
     ],
     extras_require={
+        "convert": ["gguf"],
         "test": ["pytest", "transformers>=5", "torch==2.13.0", "ruff", "jang==2.5.50", "gguf"],
     },
 )

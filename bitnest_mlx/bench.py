@@ -19,7 +19,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
-from . import load, speculative
+from . import kernels, load, speculative
 from .demo import CORPUS
 from .layers.dual_plane import DualPlaneLinear
 
@@ -31,6 +31,36 @@ CHIPS = {
     "M2 Ultra": 800,
     "M3 Ultra": 819,
 }
+
+
+# Peak memory bandwidth (GB/s) by chip name, for the achieved-bandwidth fraction on Metal. The
+# longest matching name wins ("M4 Max" before "M4"); binned parts (e.g. 300 GB/s M3 Max) differ.
+PEAK_GBS = {
+    "M1": 68, "M1 Pro": 200, "M1 Max": 400, "M1 Ultra": 800,
+    "M2": 100, "M2 Pro": 200, "M2 Max": 400, "M2 Ultra": 800,
+    "M3": 100, "M3 Pro": 150, "M3 Max": 400, "M3 Ultra": 819,
+    "M4": 120, "M4 Pro": 273, "M4 Max": 546,
+}  # fmt: skip
+
+
+def chip_peak() -> tuple[str, float] | None:
+    """(device name, peak GB/s) of this Mac's GPU, or None off Metal / for an unknown chip."""
+    if not mx.metal.is_available():
+        return None
+    name = str(mx.metal.device_info().get("device_name", ""))
+    known = [c for c in PEAK_GBS if f"{c} " in f"{name} "]
+    return (name, PEAK_GBS[max(known, key=len)]) if known else None
+
+
+def achieved_bandwidth(bytes_per_token: dict, tps: dict, peak: tuple[str, float]) -> dict:
+    """GB/s implied by the measured tok/s and the roofline's bytes per token, and its fraction
+    of the chip's peak (decode is bandwidth-bound: 1.0 would be the ceiling)."""
+    chip, bw = peak
+    out = {"chip": chip, "peak_gbs": bw}
+    for mode in ("draft", "target"):
+        gbs = bytes_per_token[mode] * tps[mode] / 1e9
+        out[mode] = {"gbs": gbs, "fraction_of_peak": gbs / bw}
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -250,7 +280,13 @@ def run(args: argparse.Namespace) -> dict:
         "speculative": spec_summary("speculative"),
         "speculative_auto": spec_summary("speculative_auto"),
         "roofline": roofline(model, prompt.size + n),
+        # Which path served each kernel-capable op (Metal kernel or pure MLX), with call counts.
+        "paths": kernels.report(),
     }
+    peak = chip_peak()
+    if peak is not None:
+        per_token = result["roofline"]["bytes_per_token"]
+        result["bandwidth"] = achieved_bandwidth(per_token, result["generation_tps"], peak)
     if not args.no_mlx_lm:
         peers = {}
         for bits in (4, 8):
@@ -300,6 +336,22 @@ def report(r: dict) -> str:
     )
     for chip, c in roof["ceiling_tps"].items():
         lines.append(f"  {chip}: ceiling draft {c['draft']:.0f} tok/s, target {c['target']:.0f}")
+    lines.append(
+        "paths: "
+        + ", ".join(
+            f"{k} {'kernel' if v['kernel'] else 'pure'} ({v['status']})"
+            for k, v in r["paths"].items()
+        )
+    )
+    if "bandwidth" in r:
+        b = r["bandwidth"]
+        lines.append(
+            f"achieved bandwidth on {b['chip']} (peak {b['peak_gbs']} GB/s): "
+            + ", ".join(
+                f"{m} {b[m]['gbs']:.0f} GB/s ({b[m]['fraction_of_peak']:.0%})"
+                for m in ("draft", "target")
+            )
+        )
     return "\n".join(lines)
 
 
@@ -308,7 +360,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_tokens < 2 or args.gen_tokens < 2:
         print("error: --prompt-tokens and --gen-tokens must be >= 2", file=sys.stderr)
         return 2
-    result = run(args)
+    from .formats.bitnest import PackageError
+    from .hub import HubError
+
+    try:
+        result = run(args)
+    except (PackageError, HubError) as e:  # --model could not be fetched or read
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(result, indent=2) if args.json else report(result))
     return 0
 

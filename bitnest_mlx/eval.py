@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from . import load
 from .formats.bitnest import PackageError
-from .hub import ModelNotFound
+from .hub import HubError
 from .speculative import Sampler, SpeculativeStats, speculative_generate_step
 
 MODES = ("draft", "target", "float")
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, tokenizer = load(args.model)
         text = Path(args.text).read_text(encoding="utf-8")
-    except (PackageError, ModelNotFound, OSError) as e:
+    except (PackageError, HubError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     modes = MODES if args.mode == "all" else (args.mode,)

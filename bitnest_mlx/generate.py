@@ -14,7 +14,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from . import load, speculative
 from .formats.bitnest import PackageError
-from .hub import ModelNotFound
+from .hub import HubError
 
 MODES = ("speculative", "target", "draft")
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         tic = time.perf_counter()
         model, tokenizer = load(model_path, mode="draft" if args.mode == "draft" else "target")
         load_s = time.perf_counter() - tic
-    except (PackageError, ModelNotFound) as e:
+    except (PackageError, HubError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -10,11 +10,19 @@ import mlx.nn as nn
 from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.rope_utils import initialize_rope
 
-from bitnest_mlx.layers.dual_plane import DualPlaneLinear, a8
+from bitnest_mlx import kernels
+from bitnest_mlx.layers.dual_plane import DualPlaneLinear, a8, a8_deferred
 from bitnest_mlx.layers.hadamard import OnlineHadamard
 from bitnest_mlx.layers.nested_kv import NestedKVCache
 
 MODES = ("draft", "target")
+
+
+def a8_input(x: mx.array, group: int = -1):
+    """A8 for a DualPlaneLinear input: `a8(x, group)`, or on the Metal kernel path the deferred
+    form the fused A8 matmul kernel takes (same result within float rounding)."""
+    deferred = a8_deferred(x, group)
+    return a8(x, group) if deferred is None else deferred
 
 
 @dataclass
@@ -78,11 +86,29 @@ class Attention(nn.Module):
         if self.r3:
             q = mx.hadamard_transform(q.astype(mx.float32)).astype(q.dtype)
             k = mx.hadamard_transform(k.astype(mx.float32)).astype(k.dtype)
-        k, v = cache.update_and_fetch(k, v, draft)
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        if (
+            cache.quantized
+            and kernels.nested_kv_supported(q, mask, self.head_dim, cache.group_size)
+            and kernels.use("nested_kv")
+        ):
+            # Metal: scores and P·V straight from the 4-bit planes, no dequantized copy.
+            kernels.record("nested_kv", "kernel")
+            cache.write(k, v)
+            o = kernels.nested_kv_attention(
+                q,
+                cache.keys,
+                cache.values,
+                draft=draft,
+                scale=self.scale,
+                group=cache.group_size,
+                n_kv=cache.offset,
+            )
+        else:
+            k, v = cache.update_and_fetch(k, v, draft)
+            o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         o = o.transpose(0, 2, 1, 3).reshape(B, L, -1)
         if quantize_act:
-            o = a8(o, self.o_proj_group)
+            o = a8_input(o, self.o_proj_group)
         return self.o_proj(o, draft)
 
 
@@ -101,7 +127,7 @@ class MLP(nn.Module):
         if self.r4 is not None:
             a = self.r4(a)
         if quantize_act:
-            a = a8(a)
+            a = a8_input(a)
         return self.down_proj(a, draft)
 
 
@@ -115,7 +141,7 @@ class TransformerBlock(nn.Module):
     def _norm(self, h: mx.array, quantize_act: bool) -> mx.array:
         # Weightless: the gammas are fused into the Linears that read this.
         x = mx.fast.rms_norm(h, None, self.eps)
-        return a8(x) if quantize_act else x
+        return a8_input(x) if quantize_act else x
 
     def __call__(self, h, mask, cache, draft: bool, quantize_act: bool) -> mx.array:
         h = h + self.self_attn(self._norm(h, quantize_act), mask, cache, draft, quantize_act)
@@ -165,7 +191,7 @@ class Model(nn.Module):
         for layer, c in zip(self.layers, cache):
             h = layer(h, mask, c, draft, qa)
         x = mx.fast.rms_norm(h, None, self.args.rms_norm_eps)
-        return self.lm_head(a8(x) if qa else x, draft)
+        return self.lm_head(a8_input(x) if qa else x, draft)
 
     def make_cache(self) -> list[NestedKVCache]:
         return [NestedKVCache(self.args.kv_group, quantized=self.quantize_kv) for _ in self.layers]

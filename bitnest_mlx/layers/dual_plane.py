@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import mlx.core as mx
 import mlx.nn as nn
+
+from .. import kernels
 
 GROUP_SIZE = 128
 
@@ -23,6 +27,29 @@ def a8(x: mx.array, group: int = -1) -> mx.array:
     scale = mx.where(amax == 0, 1.0, amax / 127.0)
     q = mx.clip(mx.round(xf / scale), -128, 127)
     return (q * scale).reshape(shape).astype(dtype)
+
+
+class A8Input(NamedTuple):
+    """x with its A8 still pending (Metal kernel path): the kernel quantizes x with `scale`."""
+
+    x: mx.array
+    scale: mx.array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.x.shape
+
+
+def a8_deferred(x: mx.array, group: int = -1) -> A8Input | None:
+    """On the Metal kernel path, `a8(x, group)` left to the matmul kernel; else None.
+
+    The per-token (or per-128-group) scale is computed once here, so q/k/v (or gate/up) share
+    it, and each kernel quantizes x while loading it.
+    """
+    rows = x.size // x.shape[-1]
+    if group in (-1, GROUP_SIZE) and rows <= kernels.MAX_M and kernels.use("dual_plane"):
+        return A8Input(x, kernels.a8_scale(x, group))
+    return None
 
 
 class DualPlaneLinear(nn.Module):
@@ -46,11 +73,25 @@ class DualPlaneLinear(nn.Module):
             x, plane, self.scales, self.biases, transpose=True, group_size=GROUP_SIZE, bits=4
         )
 
-    def __call__(self, x: mx.array, draft: bool = False) -> mx.array:
+    def _pure(self, x: mx.array, draft: bool) -> mx.array:
         y = self._qmm(x, self.hi)
         if not draft:
             # Two calls sharing scales/biases: never materialise s/16 in fp16 (subnormal risk).
             y = y + self._qmm(x, self.lo) * 0.0625
+        return y
+
+    def __call__(self, x: mx.array | A8Input, draft: bool = False) -> mx.array:
+        if isinstance(x, A8Input):  # only produced when the kernel path is on
+            kernels.record("dual_plane", "kernel")
+            y = kernels.dual_plane_matmul(
+                x.x, self.hi, self.lo, self.scales, draft=draft, a_scale=x.scale
+            )
+        elif kernels.use("dual_plane") and kernels.dual_plane_supported(x, self.hi):
+            kernels.record("dual_plane", "kernel")
+            y = kernels.dual_plane_matmul(x, self.hi, self.lo, self.scales, draft=draft)
+        else:
+            kernels.record("dual_plane", "pure")
+            y = self._pure(x, draft)
         if "bias" in self:
             y = y + self.bias
         return y

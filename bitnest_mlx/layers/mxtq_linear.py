@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .. import kernels
 from ..formats.mxtq import (
     DEFAULT_SEED,
     MXTQWeight,
@@ -58,6 +59,9 @@ class _MXTQBase(nn.Module):
 
     def rotate(self, x: mx.array) -> mx.array:
         """R x (float32). Modules with the same in_features and seed can share one rotated x."""
+        if kernels.hadamard_supported(self.in_features) and kernels.use("hadamard"):
+            kernels.record("hadamard", "kernel")
+            return kernels.hadamard_rotate(x, self._signs)
         return rotate_input(x, self._signs)
 
     def _rotated_rows(self, packed: mx.array) -> mx.array:
@@ -148,6 +152,19 @@ class MXTQSwitchLinear(_MXTQBase):
 
     def apply_rotated(self, x_rot: mx.array, indices: mx.array) -> mx.array:
         """[..., 1|K, M, in] rotated inputs, [..., K] expert ids -> [..., K, M, out] float32."""
+        if (
+            x_rot.shape[-2] == 1
+            and kernels.mxtq_gather_supported(x_rot[..., 0, :], indices, self.bits)
+            and kernels.use("mxtq_gather")
+        ):
+            kernels.record("mxtq_gather", "kernel")
+            y = kernels.mxtq_gather_matvec(
+                x_rot[..., 0, :], indices, self.tq_packed, self.tq_norms, self._codebook, self.bits
+            )
+            return y[..., None, :]
+        return self._pure_apply(x_rot, indices)
+
+    def _pure_apply(self, x_rot: mx.array, indices: mx.array) -> mx.array:
         batch = tuple(np.broadcast_shapes(x_rot.shape[:-2], indices.shape))
         if math.prod(batch) * self._expert_bytes <= self.max_dequant_bytes:
             y = self._matvec(x_rot, self.tq_packed[indices])

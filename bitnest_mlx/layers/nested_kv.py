@@ -70,6 +70,17 @@ class NestedKVCache(_BaseCache):
     def update_and_fetch(
         self, keys: mx.array, values: mx.array, draft: bool = False
     ) -> tuple[mx.array, mx.array]:
+        self.write(keys, values)
+        k = tuple(a[:, :, : self.offset] for a in self.keys)
+        v = tuple(a[:, :, : self.offset] for a in self.values)
+        return self._decode(k, draft, keys.dtype), self._decode(v, draft, values.dtype)
+
+    def write(self, keys: mx.array, values: mx.array) -> None:
+        """Store K and V at `offset` and advance it.
+
+        The Metal attention kernel then reads `keys`/`values` (hi, lo, scales; capacity-sized,
+        the first `offset` positions valid) in place (kernels.nested_kv_attention).
+        """
         prev, n = self.offset, keys.shape[2]
         new_k, new_v = self._encode(keys), self._encode(values)
         if self.keys is None or prev + n > self.keys[0].shape[2]:
@@ -85,9 +96,6 @@ class NestedKVCache(_BaseCache):
         for store, new in ((self.keys, new_k), (self.values, new_v)):
             for a, x in zip(store, new):
                 a[:, :, prev : self.offset] = x
-        k = tuple(a[:, :, : self.offset] for a in self.keys)
-        v = tuple(a[:, :, : self.offset] for a in self.values)
-        return self._decode(k, draft, keys.dtype), self._decode(v, draft, values.dtype)
 
     @property
     def state(self):

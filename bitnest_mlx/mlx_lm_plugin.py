@@ -1,0 +1,379 @@
+"""mlx-lm plugin: model types `bitnest` and `deepseek_v4`, and self-speculation via --draft-model.
+
+mlx-lm resolves `config["model_type"]` to the module `mlx_lm.models.<type>`. The startup hook
+(bitnest_mlx_hook.pth -> bitnest_mlx_hook.BitnestFinder) calls `find_spec` here when mlx-lm
+imports one of these modules, so any process sees bitnest models without importing us:
+
+* `mlx_lm.models.bitnest` / `mlx_lm.models.deepseek_v4`: made from our model classes.
+* `mlx_lm.utils` (patched right after it runs): `load_model` gives a bitnest package's manifest
+  fields to mlx-lm's own loader (via `model_config`) and builds DeepSeek-V4 bundles with
+  `bitnest_mlx.dsv4`; `load_tokenizer` keeps transformers off the package's config.json; `load`
+  understands `PATH#draft`: the draft reading (W4/KV4) of the bitnest target loaded from PATH,
+  over the same arrays.
+* `mlx_lm.generate` (patched right after it runs): `speculative_generate_step` runs bitnest's
+  shared-cache loop for a (target, PATH#draft) pair and mlx-lm's own loop otherwise.
+  `stream_generate` looks the function up at call time, so mlx-lm's CLI and server both use it.
+
+`register()` (exported as `bitnest_mlx.register_mlx_lm`) does the same in a process started
+without the hook, patching mlx-lm modules that are already imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import json
+import sys
+import warnings
+import weakref
+from dataclasses import asdict
+from importlib.abc import Loader
+from importlib.machinery import ModuleSpec, PathFinder
+from pathlib import Path
+from types import ModuleType
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .hub import detect_format
+
+# Nothing here may import mlx_lm at module level: the startup hook imports this module while
+# mlx-lm is being imported. Model code is imported when first needed.
+
+DRAFT_SUFFIX = "#draft"
+# ModelArgs fields that come from the manifest rather than config.json.
+_MANIFEST_FIELDS = ("biased", "r4", "o_proj_group", "kv_group", "r3")
+
+
+@functools.cache
+def _bitnest_classes() -> tuple[type, type]:
+    """(Model, ModelArgs) of `mlx_lm.models.bitnest`: the bitnest model in `default_dtype()`."""
+    from . import default_dtype
+    from .models import bitnest_llama
+
+    class Model(bitnest_llama.Model):
+        def __init__(self, args: bitnest_llama.ModelArgs):
+            super().__init__(args)
+            self.set_dtype(default_dtype())
+
+    return Model, bitnest_llama.ModelArgs
+
+
+def _is_bitnest(model: object) -> bool:
+    from .models import bitnest_llama
+
+    return isinstance(model, bitnest_llama.Model)
+
+
+class DraftView(nn.Module):
+    """The draft reading (W4 weights, KV4) of a loaded bitnest target: its arrays, not a copy.
+
+    `make_cache()` is empty: the shared-cache loop keeps one nested cache, the target's.
+    """
+
+    def __init__(self, target: nn.Module):
+        super().__init__()
+        self.target = target
+        self.args = target.args
+        self.model_type = target.model_type
+
+    @property
+    def layers(self) -> list:
+        return self.target.layers
+
+    def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
+        return self.target(inputs, cache, mode="draft")
+
+    def make_cache(self) -> list:
+        return []
+
+
+def split_draft(path_or_repo: str) -> tuple[str, bool]:
+    """ "PATH#draft" -> (PATH, True); anything else -> (it, False)."""
+    text = str(path_or_repo)
+    if text.endswith(DRAFT_SUFFIX):
+        return text[: -len(DRAFT_SUFFIX)], True
+    return text, False
+
+
+def manifest_args(path: Path) -> dict:
+    """The ModelArgs fields of a bitnest package that only its manifest knows."""
+    from .formats import bitnest
+    from .models import bitnest_llama
+
+    manifest = json.loads(bitnest.find_manifest(path).read_text(encoding="utf-8"))
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    args = asdict(bitnest_llama.args_from_package(manifest, config))
+    return {k: args[k] for k in _MANIFEST_FIELDS}
+
+
+# ---------------------------------------------------------------------------------------------
+# Import hooks
+
+
+class _PatchAfterExec(Loader):
+    """Runs the real loader, then `patch(module)`; everything else is the real loader's."""
+
+    def __init__(self, loader: Loader, patch):
+        self.loader, self.patch = loader, patch
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)
+
+    def create_module(self, spec: ModuleSpec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        self.patch(module)
+
+
+class _ModelModule(Loader):
+    """`mlx_lm.models.bitnest` / `mlx_lm.models.deepseek_v4`: our Model and ModelArgs."""
+
+    def create_module(self, spec: ModuleSpec) -> None:
+        return None
+
+    def exec_module(self, module: ModuleType) -> None:
+        if module.__name__.endswith(".bitnest"):
+            module.Model, module.ModelArgs = _bitnest_classes()
+        else:
+            from .models import deepseek_v4
+
+            module.Model, module.ModelArgs = deepseek_v4.Model, deepseek_v4.ModelArgs
+
+
+def find_spec(fullname: str, path=None, target=None) -> ModuleSpec | None:
+    """The spec for one of bitnest_mlx_hook.WATCHED (see the module docstring)."""
+    if fullname.startswith("mlx_lm.models."):
+        if (
+            fullname.endswith("deepseek_v4")
+            and importlib.util.find_spec("bitnest_mlx.dsv4") is None
+        ):
+            return None
+        return importlib.util.spec_from_loader(fullname, _ModelModule())
+    spec = PathFinder.find_spec(fullname, path, target)
+    if spec is not None and spec.loader is not None:
+        patch = patch_utils if fullname == "mlx_lm.utils" else patch_generate
+        spec.loader = _PatchAfterExec(spec.loader, patch)
+    return spec
+
+
+def register() -> None:
+    """Make mlx-lm see bitnest models in this process (what the .pth hook does at startup)."""
+    import bitnest_mlx_hook
+
+    bitnest_mlx_hook.install()
+    utils = sys.modules.get("mlx_lm.utils")
+    if utils is not None and not _patched(utils.load):
+        original = utils.load
+        patch_utils(utils)
+        # Modules that did `from .utils import load` hold the original.
+        for mod in list(sys.modules.values()):
+            name = getattr(mod, "__name__", "")
+            if name.startswith("mlx_lm") and getattr(mod, "load", None) is original:
+                mod.load = utils.load
+    generate = sys.modules.get("mlx_lm.generate")
+    if generate is not None:
+        patch_generate(generate)
+
+
+# ---------------------------------------------------------------------------------------------
+# mlx_lm.utils
+
+
+def _patched(fn) -> bool:
+    return getattr(fn, "_bitnest", False)
+
+
+def _mark(fn):
+    fn._bitnest = True
+    return fn
+
+
+def _local_format(path) -> str | None:
+    path = Path(path)
+    return detect_format(path) if path.is_dir() else None
+
+
+# Targets loaded through mlx-lm: key -> (weakref to model, tokenizer, config). Lets `PATH#draft`
+# reuse the target's arrays instead of loading the package a second time.
+_TARGETS: dict[str, tuple] = {}
+
+
+def _key(path_or_repo: str) -> str:
+    path = Path(path_or_repo).expanduser()
+    return str(path.resolve()) if path.exists() else str(path_or_repo)
+
+
+def patch_utils(utils: ModuleType) -> None:
+    if _patched(utils.load):
+        return
+    orig_load_model, orig_load_tokenizer, orig_load = (
+        utils.load_model,
+        utils.load_tokenizer,
+        utils.load,
+    )
+
+    @_mark
+    @functools.wraps(orig_load_model)
+    def load_model(model_path, lazy=False, strict=True, model_config=None, *args, **kwargs):
+        fmt = _local_format(model_path)
+        if fmt == "bitnest":
+            # mlx-lm builds it (config.json -> ModelArgs, sanitize, strict load); the manifest
+            # fields travel in model_config, which mlx-lm merges into the config.
+            extra = {**manifest_args(Path(model_path)), **(model_config or {})}
+            return orig_load_model(model_path, lazy, strict, extra, *args, **kwargs)
+        if fmt == "dsv4":
+            return _load_dsv4(utils, Path(model_path), lazy, model_config)
+        return orig_load_model(model_path, lazy, strict, model_config, *args, **kwargs)
+
+    @_mark
+    @functools.wraps(orig_load_tokenizer)
+    def load_tokenizer(model_path, tokenizer_config_extra=None, *args, **kwargs):
+        if _local_format(model_path) is not None:
+            # transformers cannot parse these config.json files (unknown model_type, llama3
+            # rope scaling); an empty config stops AutoTokenizer from reading it.
+            from . import _tokenizer_config
+
+            tokenizer_config_extra = {
+                "config": _tokenizer_config(),
+                **(tokenizer_config_extra or {}),
+            }
+        return orig_load_tokenizer(model_path, tokenizer_config_extra, *args, **kwargs)
+
+    @_mark
+    @functools.wraps(orig_load)
+    def load(path_or_hf_repo, *args, return_config: bool = False, **kwargs):
+        base, draft = split_draft(path_or_hf_repo)
+        if not draft:
+            model, tokenizer, config = orig_load(
+                path_or_hf_repo, *args, return_config=True, **kwargs
+            )
+            if _is_bitnest(model):
+                _TARGETS[_key(base)] = (weakref.ref(model), tokenizer, config)
+            return (model, tokenizer, config) if return_config else (model, tokenizer)
+        ref, tokenizer, config = _TARGETS.get(_key(base), (lambda: None, None, None))
+        target = ref()
+        if target is None:  # no live target for PATH: load it once, here
+            target, tokenizer, config = load(base, *args, return_config=True, **kwargs)
+        if not _is_bitnest(target):
+            raise ValueError(f"{path_or_hf_repo}: {DRAFT_SUFFIX} needs a bitnest package")
+        view = DraftView(target)
+        return (view, tokenizer, config) if return_config else (view, tokenizer)
+
+    utils.load_model, utils.load_tokenizer, utils.load = load_model, load_tokenizer, load
+
+
+def _load_dsv4(utils: ModuleType, path: Path, lazy: bool, model_config: dict | None):
+    try:
+        from . import dsv4
+    except ImportError as e:
+        raise ValueError(f"{path}: DeepSeek-V4 bundles need bitnest_mlx.dsv4 ({e})") from e
+    model, _ = dsv4.load_bundle(path)
+    config = utils.load_config(path)
+    config.update(model_config or {})
+    if not lazy:
+        mx.eval(model.parameters())
+    return model, config
+
+
+# ---------------------------------------------------------------------------------------------
+# mlx_lm.generate
+
+
+def patch_generate(generate: ModuleType) -> None:
+    orig = generate.speculative_generate_step
+    if _patched(orig):
+        return
+
+    @_mark
+    @functools.wraps(orig)
+    def speculative_generate_step(prompt, model, draft_model, *args, **kwargs):
+        if isinstance(draft_model, DraftView):
+            return shared_cache_steps(prompt, model, draft_model, **kwargs)
+        return orig(prompt, model, draft_model, *args, **kwargs)
+
+    generate.speculative_generate_step = speculative_generate_step
+
+
+def shared_cache_steps(
+    prompt: mx.array,
+    model: nn.Module,
+    draft_model: DraftView,
+    *,
+    num_draft_tokens: int = 2,
+    max_tokens: int = 256,
+    sampler=None,
+    logits_processors=None,
+    prompt_cache: list | None = None,
+    prefill_step_size: int = 512,
+    **_kv_quantization,  # kv_bits & co: the nested cache is its own KV quantization
+):
+    """mlx-lm's speculative generator contract, run by bitnest's shared-cache loop."""
+    from . import speculative
+
+    if draft_model.target is not model:
+        raise ValueError(f"a {DRAFT_SUFFIX} model can only draft for its own target")
+    # The draft shares the target's cache: only the first len(model.layers) entries exist.
+    cache = prompt_cache[: len(model.layers)] if prompt_cache is not None else None
+    prompt = prompt.astype(mx.uint32)
+    bitnest_sampler = as_bitnest_sampler(sampler)
+    if bitnest_sampler is None:
+        from mlx_lm.generate import generate_step
+
+        warnings.warn(
+            "this sampler's distribution is unknown (e.g. XTC), which rejection sampling "
+            "needs: decoding with the target only",
+            stacklevel=2,
+        )
+        steps = generate_step(
+            prompt,
+            model,
+            max_tokens=max_tokens,
+            sampler=sampler,
+            logits_processors=logits_processors,
+            prompt_cache=cache,
+            prefill_step_size=prefill_step_size,
+        )
+        return ((t, lp, False) for t, lp in steps)
+    return speculative.speculative_generate_step(
+        prompt,
+        model,
+        max_tokens=max_tokens,
+        sampler=bitnest_sampler,
+        logits_processors=logits_processors,
+        num_draft_tokens=num_draft_tokens,
+        prompt_cache=cache,
+        prefill_step_size=prefill_step_size,
+    )
+
+
+def as_bitnest_sampler(sampler):
+    """bitnest's Sampler with the same distribution as an mlx-lm sampler, or None if unknown.
+
+    Rejection sampling needs the distribution, and mlx-lm's `make_sampler` returns an opaque
+    closure: its parameters are read back from the closure (temp, and the top_p / min_p /
+    top_k filters); any other filter (XTC) or a foreign sampler gives None.
+    """
+    from mlx_lm.sample_utils import greedy_sampler
+
+    from .speculative import Sampler
+
+    if sampler is None or sampler is greedy_sampler:
+        return Sampler()
+    if isinstance(sampler, Sampler):
+        return sampler
+    if getattr(sampler, "__qualname__", "") != "make_sampler.<locals>.sampler":
+        return None
+    try:
+        outer = inspect.getclosurevars(sampler).nonlocals
+        params = {"temp": outer["temp"]}
+        for method in outer["sampling_methods"]:
+            params.update(inspect.getclosurevars(method).nonlocals)
+    except (KeyError, TypeError):
+        return None
+    if not set(params) <= {"temp", "top_p", "min_p", "min_tokens_to_keep", "top_k"}:
+        return None
+    return Sampler(**params)

@@ -1,0 +1,1 @@
+"""CPU emulator and Metal syntax check for bitnest_mlx/metal_kernels (test-only)."""

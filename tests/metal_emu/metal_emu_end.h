@@ -1,0 +1,4 @@
+#undef device
+#undef constant
+#undef thread
+#undef threadgroup

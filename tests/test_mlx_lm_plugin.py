@@ -1,0 +1,197 @@
+"""mlx-lm sees bitnest packages and DSV4 bundles: CLI via the startup hook, load, generate,
+prompt cache, and self-speculation through `--draft-model PATH#draft` (shared-cache loop)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import bitnest_mlx
+from bitnest_mlx.demo import demo_path, write_tokenizer
+
+HAS_DSV4 = importlib.util.find_spec("bitnest_mlx.dsv4") is not None
+needs_dsv4 = pytest.mark.skipif(not HAS_DSV4, reason="bitnest_mlx.dsv4 (the DSV4 loader) absent")
+
+
+@pytest.fixture(scope="module")
+def mlx_lm():
+    bitnest_mlx.register_mlx_lm()  # a no-op when the installed hook already did it
+    import mlx_lm
+
+    return mlx_lm
+
+
+@pytest.fixture(scope="module")
+def package() -> str:
+    return str(demo_path())
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> str:
+    if not HAS_DSV4:
+        pytest.skip("bitnest_mlx.dsv4 absent")
+    from bitnest_mlx.dsv4 import write_demo_bundle
+
+    path = write_demo_bundle(tmp_path_factory.mktemp("dsv4") / "bundle")
+    write_tokenizer(Path(path))  # byte-level: the bundle's 256 ids are the bytes
+    return str(path)
+
+
+def _mlx_lm_cli(model: str, cwd: Path, *extra: str) -> str:
+    """`python -m mlx_lm generate` in a fresh interpreter that never imports bitnest_mlx itself."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_lm", "generate", "--model", model, "--prompt", "hi"]
+        + ["--max-tokens", "8", *extra],
+        cwd=cwd,  # outside the repo: only the installed package is importable
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.split("==========")[1].strip("\n")
+
+
+def test_hook_pth_is_installed_in_site_packages():
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    assert (purelib / "bitnest_mlx_hook.pth").read_text().startswith("import bitnest_mlx_hook")
+
+
+def test_mlx_lm_cli_generates_from_bitnest_package(package, tmp_path):
+    assert _mlx_lm_cli(package, tmp_path)
+
+
+def test_mlx_lm_cli_self_speculation_with_draft_marker_matches_target(package, tmp_path):
+    plain = _mlx_lm_cli(package, tmp_path)
+    assert _mlx_lm_cli(package, tmp_path, "--draft-model", package + "#draft") == plain
+
+
+@needs_dsv4
+def test_mlx_lm_cli_generates_from_dsv4_bundle(bundle, tmp_path):
+    assert _mlx_lm_cli(bundle, tmp_path)
+
+
+def test_mlx_lm_load_builds_bitnest_model_with_manifest_fields(mlx_lm, package):
+    from bitnest_mlx.models.bitnest_llama import Model
+
+    model, tokenizer, config = mlx_lm.load(package, return_config=True)
+    assert isinstance(model, Model) and model.mode == "target"
+    assert "quantization" not in config
+    # R4 with K = 12 on every down_proj comes from bitnest.json, not config.json.
+    assert [r["K"] for r in config["r4"]] == [12, 12]
+    assert model.layers[0].mlp.r4.k == 12
+
+
+def test_draft_marker_returns_view_over_the_same_arrays(mlx_lm, package):
+    from bitnest_mlx.mlx_lm_plugin import DraftView
+
+    model, tokenizer = mlx_lm.load(package)
+    draft, draft_tokenizer = mlx_lm.load(package + "#draft")
+    assert isinstance(draft, DraftView) and draft.target is model
+    assert draft.layers[0].self_attn.q_proj.hi is model.layers[0].self_attn.q_proj.hi
+    assert draft_tokenizer.vocab_size == tokenizer.vocab_size
+    tokens = mx.array([[72, 105]])
+    assert mx.array_equal(draft(tokens), model(tokens, mode="draft"))
+    assert not mx.array_equal(draft(tokens), model(tokens))
+
+
+def test_mlx_lm_stream_generate_speculative_uses_shared_cache_loop(mlx_lm, package):
+    model, tokenizer = mlx_lm.load(package)
+    draft, _ = mlx_lm.load(package + "#draft")
+    prompt = "The river runs slowly"
+    plain = [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=24)]
+    spec = list(
+        mlx_lm.stream_generate(
+            model, tokenizer, prompt, max_tokens=24, draft_model=draft, num_draft_tokens=3
+        )
+    )
+    assert [r.token for r in spec] == plain  # greedy: lossless
+    assert any(r.from_draft for r in spec)  # drafts were accepted, so the draft ran
+    assert draft.make_cache() == []  # one nested cache, the target's
+
+
+def test_prompt_cache_continues_like_a_fresh_prompt(mlx_lm, package):
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    model, tokenizer = mlx_lm.load(package)
+    draft, _ = mlx_lm.load(package + "#draft")
+    first = tokenizer.encode("The mill has not turned")
+    more = tokenizer.encode(" for many years")
+    for draft_model in (None, draft):
+        kw = dict(max_tokens=6, draft_model=draft_model)
+        cache = make_prompt_cache(model) + (make_prompt_cache(draft) if draft_model else [])
+        out = [
+            r.token
+            for r in mlx_lm.stream_generate(model, tokenizer, first, prompt_cache=cache, **kw)
+        ]
+        # Like mlx-lm's server: trim the cache to the tokens both sides agree on, feed the rest.
+        keep = len(first) + len(out) - 1
+        assert cache[0].offset >= keep
+        trim_prompt_cache(cache, cache[0].offset - keep)
+        cached = [
+            r.token
+            for r in mlx_lm.stream_generate(
+                model, tokenizer, out[-1:] + more, prompt_cache=cache, **kw
+            )
+        ]
+        fresh = [
+            r.token for r in mlx_lm.stream_generate(model, tokenizer, first + out + more, **kw)
+        ]
+        assert cached == fresh
+
+
+def test_mlx_lm_samplers_map_to_bitnest_sampler():
+    from mlx_lm.sample_utils import make_sampler
+
+    from bitnest_mlx.mlx_lm_plugin import as_bitnest_sampler
+    from bitnest_mlx.speculative import Sampler
+
+    assert as_bitnest_sampler(None) == Sampler()
+    assert as_bitnest_sampler(make_sampler(0.0)) == Sampler()
+    got = as_bitnest_sampler(make_sampler(0.7, top_p=0.9, min_p=0.05, top_k=5))
+    assert got == Sampler(temp=0.7, top_p=0.9, min_p=0.05, min_tokens_to_keep=1, top_k=5)
+    assert as_bitnest_sampler(make_sampler(0.7, xtc_probability=0.5)) is None
+    assert as_bitnest_sampler(lambda lp: mx.argmax(lp, -1)) is None
+
+
+def test_draft_view_of_another_target_is_refused(mlx_lm, package):
+    from bitnest_mlx.mlx_lm_plugin import DraftView
+
+    model, tokenizer = mlx_lm.load(package)
+    other, _ = bitnest_mlx.load(package)
+    with pytest.raises(ValueError, match="own target"):
+        list(mlx_lm.stream_generate(model, tokenizer, "hi", draft_model=DraftView(other)))
+
+
+def test_other_draft_models_run_mlx_lm_own_loop(mlx_lm, package, monkeypatch):
+    from bitnest_mlx.mlx_lm_plugin import patch_generate
+
+    model, tokenizer = mlx_lm.load(package)
+    separate, _ = bitnest_mlx.load(package, mode="draft")  # a model of its own, not a view
+    plain = [r.token for r in mlx_lm.stream_generate(model, tokenizer, "The river", max_tokens=8)]
+    gen, calls = sys.modules["mlx_lm.generate"], []
+    original = gen.speculative_generate_step.__wrapped__  # mlx-lm's two-cache loop
+    spy = lambda *a, **k: calls.append(1) or original(*a, **k)  # noqa: E731
+    monkeypatch.setattr(gen, "speculative_generate_step", spy)
+    patch_generate(gen)  # wrapped by the plugin like the real one
+    out = mlx_lm.stream_generate(model, tokenizer, "The river", max_tokens=8, draft_model=separate)
+    assert [r.token for r in out] == plain
+    assert calls
+
+
+@needs_dsv4
+def test_mlx_lm_load_and_generate_dsv4_bundle(mlx_lm, bundle):
+    from bitnest_mlx.models.deepseek_v4 import Model
+
+    model, tokenizer = mlx_lm.load(bundle)
+    assert isinstance(model, Model)
+    text = mlx_lm.generate(model, tokenizer, "hi", max_tokens=6)
+    assert isinstance(text, str) and len(tokenizer.encode(text)) > 0
