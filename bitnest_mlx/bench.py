@@ -192,9 +192,11 @@ def run(args: argparse.Namespace) -> dict:
         model_path = str(demo_path())
     model, tokenizer = load(model_path)
     a = model.args
-    dtype = model.embed_tokens.weight.dtype
     prompt = bench_prompt(tokenizer, args.prompt_tokens, a.vocab_size)
     n, rep = args.gen_tokens, args.repeats
+    if getattr(model, "model_type", None) != "bitnest":
+        return run_single_precision(model, str(model_path), prompt, args)
+    dtype = model.embed_tokens.weight.dtype
     sampler = speculative.make_sampler(args.temp)
 
     def plain(m: nn.Module, mode: str | None = None) -> Callable[[], Iterator]:
@@ -309,7 +311,37 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def run_single_precision(model: nn.Module, name: str, prompt: mx.array, args) -> dict:
+    """Models with one precision (DeepSeek-V4 MXTQ bundles): prefill and decode tok/s only."""
+    n, rep = args.gen_tokens, args.repeats
+    sampler = mlx_lm_make_sampler(args.temp)
+    pp = _best(lambda: measure_prefill(model, prompt), rep, "tps")
+    steps = lambda: generate_step(prompt, model, max_tokens=n, sampler=sampler)
+    gen = _best(lambda: measure_generation(steps, n), rep, "tps")
+    return {
+        "model": name,
+        "model_type": model.model_type,
+        "backend": "gpu" if mx.metal.is_available() else "cpu",
+        "settings": {
+            "prompt_tokens": prompt.size,
+            "gen_tokens": n,
+            "temp": args.temp,
+            "repeats": rep,
+        },
+        "prompt_tps": pp["tps"],
+        "generation_tps": gen["tps"],
+        "peak_memory_gb": {"prompt": pp["peak_memory_gb"], "generation": gen["peak_memory_gb"]},
+    }
+
+
 def report(r: dict) -> str:
+    if r.get("model_type", "bitnest") != "bitnest":
+        return (
+            f"model: {r['model']} ({r['model_type']}, {r['backend']}), prompt "
+            f"{r['settings']['prompt_tokens']} tokens: {r['prompt_tps']:.1f} tok/s | generation "
+            f"{r['settings']['gen_tokens']} tokens: {r['generation_tps']:.1f} tok/s | peak memory "
+            f"{max(r['peak_memory_gb'].values()):.3f} GB"
+        )
     s, roof, cfg = r["speculative"], r["roofline"], r["settings"]
     lines = [
         f"model: {r['model']} ({r['backend']}, {r['dtype']}), prompt {cfg['prompt_tokens']}"

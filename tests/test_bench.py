@@ -60,3 +60,29 @@ def test_roofline_counts_the_package_planes_and_scales():
     assert kv["draft"] < kv["target"]
     ceiling = r["ceiling_tps"]["M4 Max (546 GB/s)"]["draft"]
     assert ceiling == pytest.approx(546e9 / r["bytes_per_token"]["draft"])
+
+
+def test_bench_reports_dsv4_bundle_tok_s():
+    from bitnest_mlx.dsv4 import demo_bundle_path
+
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bitnest_mlx.bench",
+            "--model",
+            str(demo_bundle_path()),
+            "--prompt-tokens",
+            "16",
+            "--gen-tokens",
+            "4",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["model_type"] == "deepseek_v4"
+    assert out["prompt_tps"] > 0 and out["generation_tps"] > 0
