@@ -14,6 +14,7 @@ import mlx.core as mx
 from . import load
 from .formats.bitnest import PackageError
 from .hub import HubError
+from .layers.dual_plane import dense_matmul
 from .speculative import Sampler, SpeculativeStats, speculative_generate_step
 
 MODES = ("draft", "target", "float")
@@ -52,7 +53,8 @@ def evaluate(
     nll = dict.fromkeys(modes, 0.0)
     n_pred = n_bytes = agree = n_positions = 0
     for w in windows(tokens, window):
-        logits = {m: _logits(model, w, m) for m in {*modes, "draft", "target"}}
+        with dense_matmul():
+            logits = {m: _logits(model, w, m) for m in {*modes, "draft", "target"}}
         targets = mx.array(w[1:])[:, None]
         for m in modes:
             lf = logits[m][:-1].astype(mx.float32)

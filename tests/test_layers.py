@@ -6,6 +6,8 @@ outputs of float math (Hadamard, matmuls) with a tolerance.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ from numpy_reference import a8_codes, dequant, kv_codes, r4_matrix, unpack_codes
 
 from bitnest_mlx.formats import bitnest
 from bitnest_mlx.formats.hadamard import hadamard_k, r4_transform
-from bitnest_mlx.layers.dual_plane import DualPlaneLinear, a8
+from bitnest_mlx.layers.dual_plane import DualPlaneLinear, a8, dense_matmul
 from bitnest_mlx.layers.hadamard import OnlineHadamard
 from bitnest_mlx.layers.nested_kv import NestedKVCache, nest_dequantize, nest_quantize
 
@@ -151,9 +153,16 @@ def test_dual_plane_linear_equals_matmul_with_dequantized_weights(draft):
     params = DualPlaneLinear.prepare(tensors, "l", mx.float32)
     layer.load_weights([(name.removeprefix("l."), a) for name, a in params.items()])
     x = rng(8).normal(0, 1, (3, 5, k)).astype(F32)
-    got = np.array(layer(mx.array(x), draft=draft))
     want = x.astype(np.float64) @ dequant(planes.hi, planes.lo, planes.scales, draft).T + bias
+    got = np.array(layer(mx.array(x), draft=draft))
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    with (
+        dense_matmul(min_rows=8),  # 15 rows: the dense path serves the same product
+        mock.patch.object(DualPlaneLinear, "dequantized", wraps=layer.dequantized) as spy,
+    ):
+        dense = np.array(layer(mx.array(x), draft=draft))
+    spy.assert_called_once_with(draft)
+    assert np.abs(dense - want).max() <= 1e-5 * np.abs(want).max()
 
 
 # ---------------------------------------------------------------------------------------------
