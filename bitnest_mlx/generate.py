@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    if tokenizer is None:
+        print(f"error: {model_path} has no tokenizer files (tokenizer.json, ...)", file=sys.stderr)
+        return 2
     if getattr(model, "model_type", None) != "bitnest":
         # One precision only (DeepSeek-V4 bundles): no draft plane to speculate with.
         if args.mode == "draft":

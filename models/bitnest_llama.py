@@ -47,6 +47,7 @@ class ModelArgs(BaseModelArgs):
     o_proj_group: int = 128
     kv_group: int = 128
     r3: bool = False
+    k_bias_offset: bool = False
 
 
 class Attention(nn.Module):
@@ -61,6 +62,7 @@ class Attention(nn.Module):
         self.scale = hd**-0.5
         self.o_proj_group = args.o_proj_group
         self.r3 = args.r3
+        self.k_bias_offset = args.k_bias_offset
 
         def lin(name, n_in, n_out):
             return DualPlaneLinear(
@@ -75,19 +77,29 @@ class Attention(nn.Module):
             hd, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings
         )
 
+    def _rotate(self, x: mx.array, offset: int) -> mx.array:
+        """RoPE from position `offset`, then R3 (per-head Hadamard, fp32) when enabled."""
+        x = self.rope(x, offset=offset)
+        if self.r3:
+            x = mx.hadamard_transform(x.astype(mx.float32)).astype(x.dtype)
+        return x
+
     def __call__(
         self, x8: mx.array, mask: Any, cache: NestedKVCache, draft: bool, quantize_act: bool
     ) -> mx.array:
         B, L, _ = x8.shape
         q = self.q_proj(x8, draft).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x8, draft).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x8, draft)
+        if self.k_bias_offset:
+            # Qwen2's k bias (up to ~145) would set every token's 4-bit KV scale; K is cached
+            # without it and its rotated value added back at read time (RoPE and R3 are linear).
+            k = k - self.k_proj.bias
+        k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = self.v_proj(x8, draft).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
-        if self.r3:
-            q = mx.hadamard_transform(q.astype(mx.float32)).astype(q.dtype)
-            k = mx.hadamard_transform(k.astype(mx.float32)).astype(k.dtype)
+        q, k = self._rotate(q, cache.offset), self._rotate(k, cache.offset)
         if (
-            cache.quantized
+            not self.k_bias_offset
+            and cache.quantized
             and kernels.nested_kv_supported(q, mask, self.head_dim, cache.group_size)
             and kernels.use("nested_kv")
         ):
@@ -105,6 +117,9 @@ class Attention(nn.Module):
             )
         else:
             k, v = cache.update_and_fetch(k, v, draft)
+            if self.k_bias_offset:
+                bias = self.k_proj.bias.reshape(1, self.n_kv_heads, 1, -1)
+                k = k + self._rotate(mx.broadcast_to(bias, k.shape).astype(k.dtype), 0)
             o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         o = o.transpose(0, 2, 1, 3).reshape(B, L, -1)
         if quantize_act:
@@ -233,5 +248,6 @@ def args_from_package(manifest: dict, config: dict) -> ModelArgs:
             "o_proj_group": groups.get("model.layers.0.self_attn.o_proj", head_dim),
             "kv_group": kv.get("group", head_dim),
             "r3": kv.get("r3") is True or kv.get("r3_enabled") is True,
+            "k_bias_offset": kv.get("per_channel_offset") == "k_bias",
         }
     )

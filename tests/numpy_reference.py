@@ -218,6 +218,7 @@ class Reference:
     kv_group: int
     inv_freq: np.ndarray
     r3: bool  # spec §5: per-head normalized Hadamard on q and k after RoPE, only when enabled
+    k_bias_offset: bool  # kv.per_channel_offset "k_bias": K is quantized without its bias
 
     @classmethod
     def load(cls, path: str | Path) -> Reference:
@@ -241,6 +242,7 @@ class Reference:
             kv_group=kv.get("group", cfg["head_dim"]),
             inv_freq=rope_inv_freq(cfg["head_dim"], cfg["rope_theta"], cfg.get("rope_scaling")),
             r3=kv.get("r3") is True or kv.get("r3_enabled") is True,
+            k_bias_offset=kv.get("per_channel_offset") == "k_bias",
         )
 
     def weight(self, name: str, draft: bool) -> np.ndarray:
@@ -281,12 +283,18 @@ class Reference:
             q = self.linear(x8, p + "self_attn.q_proj", draft).reshape(t_len, nh, hd)
             k = self.linear(x8, p + "self_attn.k_proj", draft).reshape(t_len, nkv, hd)
             v = self.linear(x8, p + "self_attn.v_proj", draft).reshape(t_len, nkv, hd)
-            q, k = rope(q, pos, self.inv_freq), rope(k, pos, self.inv_freq)
+            # The k bias as its own term, rotated like K, so it can stay out of the KV planes.
+            kb = np.zeros_like(k)
+            if self.k_bias_offset:
+                b = self.tensors[p + "self_attn.k_proj.bias"].astype(np.float64).reshape(nkv, hd)
+                kb = rope(np.broadcast_to(b, k.shape), pos, self.inv_freq)
+            q, k = rope(q, pos, self.inv_freq), rope(k, pos, self.inv_freq) - kb
             if self.r3:
                 h3 = r4_matrix(hd, None)  # the normalized Sylvester matrix of size head_dim
-                q, k = q @ h3.T, k @ h3.T
+                q, k, kb = q @ h3.T, k @ h3.T, kb @ h3.T
             if quantize_kv:  # attention reads the stored planes, the current token included
                 k, v = sites.kv(k, self.kv_group, draft), sites.kv(v, self.kv_group, draft)
+            k = k + kb
             o = np.empty_like(q)
             for head in range(nh):
                 kvh = head // (nh // nkv)  # GQA: consecutive q heads share one kv head

@@ -372,6 +372,12 @@ def _check_manifest(manifest: dict, f: Path) -> None:
             )
         if not isinstance(entry.get("has_bias", False), bool):
             raise PackageError(f"{f}: {name}: has_bias = {entry['has_bias']!r}, expected a bool")
+    if (manifest.get("kv") or {}).get("per_channel_offset") == "k_bias":
+        unbiased = [n for n, e in layers.items() if n.endswith("k_proj") and not e.get("has_bias")]
+        if unbiased:
+            raise PackageError(
+                f"{f}: kv.per_channel_offset is 'k_bias' but {unbiased[0]} has no bias"
+            )
 
 
 def _load_config(path: Path, manifest: dict, manifest_file: Path) -> dict:
@@ -707,7 +713,10 @@ def _manifest(
         "kv": {
             "nesting": "per (token, kv head) s = max|x|/7, q4 = clip(round(x/s)), "
             "qr = clip(round((x - q4 s)/(s/16))); draft reads q4 (KV4), target 16q4+qr (KV8)",
-            "per_channel_offset": "none",
+            # Qwen2's k bias dominates K's per-token scale: K is cached without it (see models).
+            "per_channel_offset": (
+                "k_bias" if linears["model.layers.0.self_attn.k_proj"]["has_bias"] else "none"
+            ),
             "r3": "optional, off",
         },
         "rope": {
