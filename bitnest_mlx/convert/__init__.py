@@ -34,6 +34,7 @@ def convert(
     calib_tokens: int = 4096,
     calib_seq_len: int = 256,
     damp: float = 0.01,
+    lo_method: str = "gptq",
     scratch: Path,
 ) -> dict:
     """Convert one checkpoint; returns a summary (also recorded in the manifest's `conversion`)."""
@@ -58,6 +59,7 @@ def convert(
             hadamard_k(k) if k > 1 else None,
             damp,
             progress=lambda _: bar.update(),
+            lo_method=lo_method,
         )
     elif method == "rtn":
         quantize = lambda name, w: bitnest.planes_from_codes(w)
@@ -80,6 +82,7 @@ def convert(
     summary = {
         "source": str(hf_path or gguf),
         "method": method,
+        "lo_method": lo_method if method == "gptq" else "rtn",
         "rotation": rotate_kind,
         "seed": seed,
         "r4_k": k,

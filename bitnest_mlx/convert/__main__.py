@@ -30,6 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed for rotations (default 0)")
     p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens for GPTQ")
     p.add_argument("--calib-seq-len", type=int, default=256, help="calibration sequence length")
+    p.add_argument(
+        "--lo",
+        choices=("gptq", "rtn"),
+        default="gptq",
+        help="lo plane with --method gptq: GPTQ-compensated residual (default) or the plain RTN "
+        "residual of the seed format (saturates where GPTQ moved the hi code)",
+    )
     p.add_argument("--damp", type=float, default=0.01, help="GPTQ Hessian damping (x mean diag)")
     return p
 
@@ -50,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                 calib_tokens=args.calib_tokens,
                 calib_seq_len=args.calib_seq_len,
                 damp=args.damp,
+                lo_method=args.lo,
                 scratch=Path(tmp),
             )
     except (SourceError, FileNotFoundError, ValueError) as e:

@@ -98,13 +98,16 @@ def quantize_planes(w: np.ndarray) -> Planes:
 
 
 def planes_from_codes(
-    w: np.ndarray, codes: np.ndarray | None = None, scales: np.ndarray | None = None
+    w: np.ndarray,
+    codes: np.ndarray | None = None,
+    scales: np.ndarray | None = None,
+    residual: np.ndarray | None = None,
 ) -> Planes:
     """Planes for weight `w` [N, K] from given hi codes q4 [N, K] and fp16 scales [N, K/128].
 
     Missing codes are RTN (round(w/s)), missing scales amax/7 per group, so the hi plane can come
-    from GPTQ while the lo plane is always the RTN residual of the original weight:
-    qr = clip(round((w - q4 s)/(s/16)), -8, 7), kept >= 0 where q4 = -8 (q8 must stay >= -128).
+    from GPTQ; a missing `residual` (lo codes qr [N, K]) is the RTN residual of the original
+    weight: qr = clip(round((w - q4 s)/(s/16)), -8, 7), kept >= 0 where q4 = -8 (q8 >= -128).
     """
     n, k = w.shape
     if k % GROUP_SIZE:
@@ -125,8 +128,12 @@ def planes_from_codes(
         if q4.min() < -8 or q4.max() > 7:
             raise ValueError(f"hi codes must lie in [-8, 7], got [{q4.min()}, {q4.max()}]")
     raw = np.round((wg - q4 * s) / (s / 16))
-    qr = np.clip(raw, -8, 7)
-    qr = np.where(q4 == -8, np.maximum(qr, 0), qr)
+    if residual is None:
+        qr = np.where(q4 == -8, np.clip(raw, 0, 7), np.clip(raw, -8, 7))
+    else:
+        qr = np.asarray(residual, dtype=np.float32).reshape(wg.shape)
+        if qr.min() < -8 or qr.max() > 7 or np.any(qr[q4 == -8] < 0):
+            raise ValueError("lo codes must lie in [-8, 7], and in [0, 7] where q4 = -8")
     w4, w8 = q4 * s, (16 * q4 + qr) * s / 16
     wmax = max(float(np.abs(wg).max()), 1e-30)
     return Planes(
