@@ -15,18 +15,11 @@ import os
 import re
 from pathlib import Path
 
+from .formats.bitnest import TOKENIZER_FILES
+
 # What each format needs from a repo (huggingface_hub allow_patterns).
 _PROBE = ["config.json", "bitnest.json", "manifest.json"]
-_TOKENIZER = [
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "*.jinja",
-    "generation_config.json",
-]
+_TOKENIZER = [*TOKENIZER_FILES, "*.jinja"]
 PATTERNS = {
     "bitnest": [*_PROBE, "model*.safetensors", "model.safetensors.index.json", *_TOKENIZER],
     "dsv4": ["config.json", "jang_config.json", "*.safetensors", "*.safetensors.index.json"]

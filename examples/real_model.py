@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -70,9 +69,9 @@ def fetch(cache: Path) -> Path:
 
 
 def license_text(name: str) -> str:
-    raw = Path("/usr/share/common-licenses", name).read_text()
-    paras = (re.sub(r"\s+", " ", p).strip() for p in raw.split("\n\n"))
-    return "\n\n".join(p for p in paras if p)
+    """As the baselines in shared/research/real_model_baselines.md: form feeds removed, no other
+    cleaning (hard line wraps kept)."""
+    return Path("/usr/share/common-licenses", name).read_text(encoding="utf-8").replace("\f", "")
 
 
 def mlx_lm_model(gguf: Path, bits: int | None):
@@ -97,7 +96,12 @@ def mlx_lm_model(gguf: Path, bits: int | None):
     model = qwen2.Model(args)
     model.load_weights([(k, mx.array(v)) for k, v in source.weights.items()], strict=True)
     if bits:
+        # mlx-lm's own quantization, then the dequantized copy: equal to the quantized kernels
+        # within 1.2e-4 log-prob (baselines note) and 30x faster on this CPU through OpenBLAS.
         nn.quantize(model, group_size=128, bits=bits)
+        from mlx_lm.utils import dequantize_model
+
+        model = dequantize_model(model)
     mx.eval(model.parameters())
     return model
 
@@ -124,7 +128,11 @@ def main() -> None:
     texts = {k: license_text(k) for k in TEXTS}
     limits = {k: 256 if args.quick else v for k, v in TEXTS.items()}
 
-    packages = {"gptq+hadamard": ("gptq", "hadamard"), "rtn, no rotation": ("rtn", "none")}
+    packages = {
+        "gptq+hadamard": ("gptq", "hadamard"),
+        "rtn+hadamard": ("rtn", "hadamard"),
+        "rtn, no rotation": ("rtn", "none"),
+    }
     for label, (method, rot) in packages.items():
         out = args.cache / f"pkg-{method}-{rot}"
         if not (out / "bitnest.json").is_file():
@@ -138,7 +146,13 @@ def main() -> None:
         model, tok = bitnest_mlx.load(args.cache / f"pkg-{method}-{rot}")
         res = {
             name: evaluate(
-                model, tok, text, ("float", "target", "draft"), limits[name], args.window
+                model,
+                tok,
+                text,
+                ("float", "target", "draft"),
+                limits[name],
+                args.window,
+                spec_tokens=64 if name == "GPL-3" else 0,  # the speculative run: one text
             )
             for name, text in texts.items()
         }

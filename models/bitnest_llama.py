@@ -11,6 +11,7 @@ from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.rope_utils import initialize_rope
 
 from bitnest_mlx import kernels
+from bitnest_mlx.formats.bitnest import LAYER_LINEARS
 from bitnest_mlx.layers.dual_plane import DualPlaneLinear, a8, a8_deferred
 from bitnest_mlx.layers.hadamard import OnlineHadamard
 from bitnest_mlx.layers.nested_kv import NestedKVCache
@@ -216,15 +217,7 @@ class Model(nn.Module):
         dtype = self.embed_tokens.weight.dtype
         out = {"embed_tokens.weight": tensors["model.embed_tokens.weight"].astype(dtype)}
         for i, layer in enumerate(self.layers):
-            for name in (
-                "self_attn.q_proj",
-                "self_attn.k_proj",
-                "self_attn.v_proj",
-                "self_attn.o_proj",
-                "mlp.gate_proj",
-                "mlp.up_proj",
-                "mlp.down_proj",
-            ):
+            for name in LAYER_LINEARS:
                 out.update(DualPlaneLinear.prepare(tensors, f"model.layers.{i}.{name}", dtype))
             r4 = layer.mlp.r4
             if r4 is not None and r4.k > 1:

@@ -19,20 +19,24 @@ from bitnest_mlx.formats.bitnest import fold_norms  # noqa: E402
 VOCAB = 300
 
 
-def tiny_hf(arch: str, seed: int = 0):
-    """A tiny random transformers model with non-trivial norm weights."""
-    torch.manual_seed(seed)
-    common = dict(
+def tiny_dims(layers: int = 2) -> dict:
+    return dict(
         vocab_size=VOCAB,
         hidden_size=256,
         intermediate_size=384,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=128,
         tie_word_embeddings=False,
         max_position_embeddings=512,
     )
+
+
+def tiny_hf(arch: str, seed: int = 0):
+    """A tiny random transformers model with non-trivial norm weights."""
+    torch.manual_seed(seed)
+    common = tiny_dims()
     if arch == "llama":
         cfg = transformers.LlamaConfig(
             **common,
@@ -187,16 +191,7 @@ def write_gguf(path, model, arch: str) -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_gguf_reader_recovers_hf_weights_and_tokenizer(tmp_path, arch):
     torch.manual_seed(0)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=384,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=128,
-        tie_word_embeddings=False,
-    )
+    common = tiny_dims(layers=1)
     model = (
         transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
         if arch == "llama"

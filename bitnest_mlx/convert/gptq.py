@@ -33,35 +33,45 @@ def group_scales(w: np.ndarray) -> np.ndarray:
     return s
 
 
-def _inverse_cholesky(h: np.ndarray, w: np.ndarray, damp: float) -> np.ndarray:
-    """Upper Cholesky factor of the damped H⁻¹; columns no input ever reaches are zeroed in w."""
+def _sweep(
+    w: np.ndarray, h: np.ndarray, damp: float, quantize: Callable[[np.ndarray, int], tuple]
+) -> np.ndarray:
+    """GPTQ's column sweep in blocks of 128 over the damped H⁻¹'s upper Cholesky factor.
+
+    `quantize(values, col) -> (codes, dequantized)` rounds one column onto its grid; the
+    rounding error is fed forward to the columns not yet quantized. Returns the codes [N, K]."""
+    w = w.astype(np.float64).copy()
     h = h.copy()
-    dead = np.diag(h) == 0
+    dead = np.diag(h) == 0  # inputs that are always zero: their weights cannot matter
     h[dead, dead] = 1
     w[:, dead] = 0
     h[np.diag_indices_from(h)] += damp * np.mean(np.diag(h))
-    return np.linalg.cholesky(np.linalg.inv(h)).T
-
-
-def gptq_codes(w: np.ndarray, h: np.ndarray, damp: float = 0.01) -> tuple[np.ndarray, np.ndarray]:
-    """q4 codes in [-8, 7] [N, K] and fp16 scales [N, K/128] minimising ||X Wᵀ - X Ŵᵀ||."""
-    w = w.astype(np.float64).copy()
-    scales = group_scales(w)
-    s = np.repeat(scales.astype(np.float64), GROUP_SIZE, axis=1)
-    u = _inverse_cholesky(h, w, damp)
+    u = np.linalg.cholesky(np.linalg.inv(h)).T
     n, k = w.shape
-    q = np.zeros((n, k))
+    codes = np.zeros((n, k), dtype=np.int8)
     for i1 in range(0, k, GROUP_SIZE):
         i2 = min(i1 + GROUP_SIZE, k)
         block, err = w[:, i1:i2].copy(), np.zeros((n, i2 - i1))
         for j in range(i2 - i1):
             col = i1 + j
-            q[:, col] = np.clip(np.round(block[:, j] / s[:, col]), -8, 7)
-            e = (block[:, j] - q[:, col] * s[:, col]) / u[col, col]
+            codes[:, col], value = quantize(block[:, j], col)
+            e = (block[:, j] - value) / u[col, col]
             block[:, j:] -= np.outer(e, u[col, col:i2])
             err[:, j] = e
         w[:, i2:] -= err @ u[i1:i2, i2:]
-    return q.astype(np.int8), scales
+    return codes
+
+
+def gptq_codes(w: np.ndarray, h: np.ndarray, damp: float = 0.01) -> tuple[np.ndarray, np.ndarray]:
+    """q4 codes in [-8, 7] [N, K] and fp16 scales [N, K/128] minimising ||X Wᵀ - X Ŵᵀ||."""
+    scales = group_scales(w)
+    s = np.repeat(scales.astype(np.float64), GROUP_SIZE, axis=1)
+
+    def hi(values: np.ndarray, col: int) -> tuple:
+        q = np.clip(np.round(values / s[:, col]), -8, 7)
+        return q, q * s[:, col]
+
+    return _sweep(w, h, damp, hi), scales
 
 
 def gptq_residual_codes(
@@ -71,27 +81,18 @@ def gptq_residual_codes(
     feedback: each column's grid is q4·s + qr·s/16, qr in [-8, 7] ([0, 7] where q4 = -8).
 
     GPTQ moves q4 off round(w/s) where that helps the draft, and the RTN residual cannot reach
-    back (its range is ±s/2): 20 % of residuals saturate on Qwen2.5-0.5B. Propagating the lo
-    plane's error to the columns not yet quantized recovers most of the W8 accuracy."""
-    w = w.astype(np.float64).copy()
+    back (its range is ±s/2): 20 % of residuals saturate on Qwen2.5-0.5B. Feeding the lo plane's
+    error forward recovers part of the W8 accuracy."""
     s = np.repeat(scales.astype(np.float64), GROUP_SIZE, axis=1)
     base = q4.astype(np.float64) * s
     low = np.where(q4 == -8, 0, -8)
-    u = _inverse_cholesky(h, w, damp)
-    n, k = w.shape
-    qr = np.zeros((n, k))
-    for i1 in range(0, k, GROUP_SIZE):
-        i2 = min(i1 + GROUP_SIZE, k)
-        block, err = w[:, i1:i2].copy(), np.zeros((n, i2 - i1))
-        for j in range(i2 - i1):
-            col = i1 + j
-            r = np.round((block[:, j] - base[:, col]) / (s[:, col] / 16))
-            qr[:, col] = np.clip(r, low[:, col], 7)
-            e = (block[:, j] - base[:, col] - qr[:, col] * s[:, col] / 16) / u[col, col]
-            block[:, j:] -= np.outer(e, u[col, col:i2])
-            err[:, j] = e
-        w[:, i2:] -= err @ u[i1:i2, i2:]
-    return qr.astype(np.int8)
+
+    def lo(values: np.ndarray, col: int) -> tuple:
+        step = s[:, col] / 16
+        qr = np.clip(np.round((values - base[:, col]) / step), low[:, col], 7)
+        return qr, base[:, col] + qr * step
+
+    return _sweep(w, h, damp, lo)
 
 
 def _a8(x: np.ndarray, group: int = -1) -> np.ndarray:
