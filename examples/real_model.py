@@ -68,6 +68,18 @@ def fetch(cache: Path) -> Path:
     return gguf
 
 
+PACKAGES = {  # label: (hi-plane method, rotation, lo-plane method)
+    "gptq+hadamard": ("gptq", "hadamard", "gptq"),
+    "gptq+hadamard, RTN lo (seed rule)": ("gptq", "hadamard", "rtn"),
+    "rtn+hadamard": ("rtn", "hadamard", "rtn"),
+    "rtn, no rotation": ("rtn", "none", "rtn"),
+}
+
+
+def package_dir(method: str, rot: str, lo: str) -> str:
+    return f"pkg-{method}-{rot}" + ("-rtnlo" if method == "gptq" and lo == "rtn" else "")
+
+
 def license_text(name: str) -> str:
     """As the baselines in shared/research/real_model_baselines.md: form feeds removed, no other
     cleaning (hard line wraps kept)."""
@@ -122,28 +134,35 @@ def main() -> None:
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache/bitnest_mlx/realmodel")
     p.add_argument("--quick", action="store_true", help="256 tokens per text (smoke run)")
     p.add_argument("--window", type=int, default=512)
+    p.add_argument("--packages", help=f"';'-separated subset of {list(PACKAGES)}")
+    p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm baselines")
     args = p.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
     gguf = fetch(args.cache)
     texts = {k: license_text(k) for k in TEXTS}
     limits = {k: 256 if args.quick else v for k, v in TEXTS.items()}
 
-    packages = {
-        "gptq+hadamard": ("gptq", "hadamard"),
-        "rtn+hadamard": ("rtn", "hadamard"),
-        "rtn, no rotation": ("rtn", "none"),
-    }
-    for label, (method, rot) in packages.items():
-        out = args.cache / f"pkg-{method}-{rot}"
+    packages = {k: PACKAGES[k] for k in args.packages.split(";")} if args.packages else PACKAGES
+    for label, (method, rot, lo) in packages.items():
+        out = args.cache / package_dir(method, rot, lo)
         if not (out / "bitnest.json").is_file():
             tic = time.perf_counter()
             with tempfile.TemporaryDirectory() as tmp:
-                convert(out=out, gguf=gguf, method=method, rotate_kind=rot, scratch=Path(tmp))
+                convert(
+                    out=out,
+                    gguf=gguf,
+                    method=method,
+                    rotate_kind=rot,
+                    lo_method=lo,
+                    scratch=Path(tmp),
+                )
             print(f"converted {label} in {time.perf_counter() - tic:.0f} s", flush=True)
 
-    rows, report = [], {}
-    for label, (method, rot) in packages.items():
-        model, tok = bitnest_mlx.load(args.cache / f"pkg-{method}-{rot}")
+    report_file = args.cache / "report.json"
+    report = json.loads(report_file.read_text()) if report_file.is_file() else {}
+    rows = []
+    for label, (method, rot, lo) in packages.items():
+        model, tok = bitnest_mlx.load(args.cache / package_dir(method, rot, lo))
         res = {
             name: evaluate(
                 model,
@@ -169,7 +188,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     tokens = {n: tok.encode(t)[: limits[n]] for n, t in texts.items()}
     argmax = {}
-    for bits in (None, 8, 4):
+    for bits in () if args.no_mlx_lm else (None, 8, 4):
         model = mlx_lm_model(gguf, bits)
         scores = {n: mlx_lm_scores(model, tokens[n], args.window) for n in texts}
         argmax[bits] = scores["GPL-3"][1]
@@ -178,7 +197,9 @@ def main() -> None:
         rows.append((name, *(s[0] for s in scores.values()), None, None))
         print(rows[-1], flush=True)
         del model
-    report["mlx-lm 4-bit vs 8-bit argmax agreement"] = float(np.mean(argmax[4] == argmax[8]))
+    if argmax:
+        agreement = float(np.mean(argmax[4] == argmax[8]))
+        report["mlx-lm 4-bit vs 8-bit argmax agreement"] = agreement
 
     print(
         "\n| model, mode | ppl GPL-3 | ppl Apache-2.0 | draft/target agreement | "
@@ -187,11 +208,9 @@ def main() -> None:
     for name, *vals in rows:
         cells = ["" if v is None else f"{v:.3f}" for v in vals]
         print(f"| {name} | " + " | ".join(cells) + " |")
-    print(
-        f"\nmlx-lm 4-bit vs 8-bit argmax agreement (GPL-3): "
-        f"{report['mlx-lm 4-bit vs 8-bit argmax agreement']:.3f}"
-    )
-    (args.cache / "report.json").write_text(json.dumps(report, indent=2))
+    if argmax:
+        print(f"\nmlx-lm 4-bit vs 8-bit argmax agreement (GPL-3): {agreement:.3f}")
+    report_file.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
