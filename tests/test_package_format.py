@@ -33,15 +33,7 @@ from bitnest_mlx.formats.hadamard import hadamard_k, r4_transform
 
 REPO = Path(__file__).resolve().parents[1]
 SEED_MANIFEST = REPO.parent / "shared" / "seeds" / "llama3.2_3b.bitnest-manifest.json"
-LAYER_LINEARS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
+LAYER_LINEARS = bitnest.LAYER_LINEARS
 # The manifest objects keyed by this model's Linear names (compared entry-wise, not by key).
 PER_LAYER_KEYS = {("layers",), ("activation", "per_layer_group"), ("online_hadamard", "layers")}
 
