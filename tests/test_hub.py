@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from hub_server import FakeHub  # noqa: E402
 
 from bitnest_mlx.demo import demo_path, write_tokenizer  # noqa: E402
+from bitnest_mlx.dsv4 import write_demo_bundle
 from bitnest_mlx.hub import HubError, resolve  # noqa: E402
 
 
@@ -32,13 +33,8 @@ def hub(tmp_path_factory):
     neither.mkdir()
     (neither / "config.json").write_text(json.dumps({"model_type": "llama"}))
     repos = {"org/pkg": pkg, "org/gated": pkg, "org/neither": neither}
-    try:
-        from bitnest_mlx.dsv4 import write_demo_bundle
-
-        repos["org/dsv4"] = write_demo_bundle(root / "dsv4")
-        write_tokenizer(repos["org/dsv4"])
-    except ImportError:
-        pass
+    repos["org/dsv4"] = write_demo_bundle(root / "dsv4")
+    write_tokenizer(repos["org/dsv4"])
     server = FakeHub(repos, gated={"org/gated"})
     yield server
     server.close()
@@ -94,8 +90,6 @@ def test_cached_repo_loads_offline_without_requests(hub, env, monkeypatch):
 
 
 def test_dsv4_repo_downloads_bundle(hub, env):
-    if "org/dsv4" not in hub.repos:
-        pytest.skip("bitnest_mlx.dsv4 absent")
     from bitnest_mlx.dsv4 import load_bundle
 
     path = resolve("org/dsv4")

@@ -3,7 +3,6 @@ prompt cache, and self-speculation through `--draft-model PATH#draft` (shared-ca
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -15,9 +14,6 @@ import pytest
 
 import bitnest_mlx
 from bitnest_mlx.demo import demo_path, write_tokenizer
-
-HAS_DSV4 = importlib.util.find_spec("bitnest_mlx.dsv4") is not None
-needs_dsv4 = pytest.mark.skipif(not HAS_DSV4, reason="bitnest_mlx.dsv4 (the DSV4 loader) absent")
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +31,6 @@ def package() -> str:
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> str:
-    if not HAS_DSV4:
-        pytest.skip("bitnest_mlx.dsv4 absent")
     from bitnest_mlx.dsv4 import write_demo_bundle
 
     path = write_demo_bundle(tmp_path_factory.mktemp("dsv4") / "bundle")
@@ -74,7 +68,6 @@ def test_mlx_lm_cli_self_speculation_with_draft_marker_matches_target(package, t
     assert _mlx_lm_cli(package, tmp_path, "--draft-model", package + "#draft") == plain
 
 
-@needs_dsv4
 def test_mlx_lm_cli_generates_from_dsv4_bundle(bundle, tmp_path):
     assert _mlx_lm_cli(bundle, tmp_path)
 
@@ -187,7 +180,6 @@ def test_other_draft_models_run_mlx_lm_own_loop(mlx_lm, package, monkeypatch):
     assert calls
 
 
-@needs_dsv4
 def test_mlx_lm_load_and_generate_dsv4_bundle(mlx_lm, bundle):
     from bitnest_mlx.models.deepseek_v4 import Model
 
