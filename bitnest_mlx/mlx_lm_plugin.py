@@ -49,8 +49,14 @@ _MANIFEST_FIELDS = ("biased", "r4", "o_proj_group", "kv_group", "r3")
 @functools.cache
 def _bitnest_classes() -> tuple[type, type]:
     """(Model, ModelArgs) of `mlx_lm.models.bitnest`: the bitnest model in `default_dtype()`."""
+    import mlx_lm.models.cache
+
     from . import default_dtype
+    from .layers.nested_kv import NestedKVCache
     from .models import bitnest_llama
+
+    # load_prompt_cache looks cache classes up by name in mlx_lm.models.cache.
+    mlx_lm.models.cache.NestedKVCache = NestedKVCache
 
     class Model(bitnest_llama.Model):
         def __init__(self, args: bitnest_llama.ModelArgs):
@@ -147,11 +153,6 @@ class _ModelModule(Loader):
 def find_spec(fullname: str, path=None, target=None) -> ModuleSpec | None:
     """The spec for one of bitnest_mlx_hook.WATCHED (see the module docstring)."""
     if fullname.startswith("mlx_lm.models."):
-        if (
-            fullname.endswith("deepseek_v4")
-            and importlib.util.find_spec("bitnest_mlx.dsv4") is None
-        ):
-            return None
         return importlib.util.spec_from_loader(fullname, _ModelModule())
     spec = PathFinder.find_spec(fullname, path, target)
     if spec is not None and spec.loader is not None:

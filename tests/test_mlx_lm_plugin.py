@@ -187,3 +187,18 @@ def test_mlx_lm_load_and_generate_dsv4_bundle(mlx_lm, bundle):
     assert isinstance(model, Model)
     text = mlx_lm.generate(model, tokenizer, "hi", max_tokens=6)
     assert isinstance(text, str) and len(tokenizer.encode(text)) > 0
+
+
+def test_prompt_cache_file_round_trip_restores_nested_cache(mlx_lm, package, tmp_path):
+    from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+    model, tokenizer = mlx_lm.load(package)
+    cache = make_prompt_cache(model)
+    model(mx.array([tokenizer.encode("The river runs")]), cache=cache)
+    save_prompt_cache(str(tmp_path / "c.safetensors"), cache)
+    loaded = load_prompt_cache(str(tmp_path / "c.safetensors"))
+    assert [type(c).__name__ for c in loaded] == ["NestedKVCache"] * len(cache)
+    step = mx.array([tokenizer.encode(" slowly")])
+    want, got = model(step, cache=cache), model(step, cache=loaded)
+    assert mx.array_equal(want, got)
+    assert (loaded[0].group_size, loaded[0].quantized) == (cache[0].group_size, True)

@@ -108,6 +108,11 @@ class NestedKVCache(_BaseCache):
         half = len(v) // 2
         self.keys, self.values = tuple(v[:half]), tuple(v[half:])
         self.offset = v[0].shape[2]
+        # Derived, so the arrays alone restore the cache (mlx-lm's prompt-cache files keep no
+        # meta state): planes + scales when quantized, else plain K and V.
+        self.quantized = half == 3
+        if self.quantized:
+            self.group_size = self.keys[0].shape[-1] * 8 // self.keys[2].shape[-1]
 
     @property
     def meta_state(self):
