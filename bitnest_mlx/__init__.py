@@ -9,7 +9,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 __version__ = "0.1.0"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+# Any of these makes a directory loadable by AutoTokenizer.
+_TOKENIZER_DEFINING = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 # mlx-lm-like generation API, imported lazily: `import bitnest_mlx` stays light (no transformers).
 _SPECULATIVE_EXPORTS = ("generate", "stream_generate", "make_sampler", "SpeculativeStats")
@@ -65,7 +66,7 @@ def load(
     model.load_weights(list(model.sanitize(package.tensors).items()), strict=True)
     model.mode = mode
     mx.eval(model.parameters())
-    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+    if not any((path / f).is_file() for f in _TOKENIZER_DEFINING):
         warnings.warn(f"{path}: no tokenizer files; returning tokenizer None", stacklevel=2)
         return model, None
     return model, load_tokenizer(path, tokenizer_config_extra={"config": _tokenizer_config()})

@@ -295,16 +295,27 @@ def _slot_of(key: str, slots: dict[str, Slot]) -> tuple[str | None, str]:
     return None, ""
 
 
-def _read_linear(name, slot, got, config, out, affine) -> str:
-    out_f, in_f = slot.shape
-    if set(got) == {"weight"}:
-        key, a = got["weight"]
-        _require(key, a, slot.shape, FLOATS)
-        out[f"{name}.weight"] = a
-        return "float"
-    for part in ("weight", "scales", "biases"):
+def _take_float(name: str, slot, got: dict, out: dict) -> bool:
+    """A lone float `weight` is an unquantized Linear: check it and store it."""
+    if set(got) != {"weight"}:
+        return False
+    key, a = got["weight"]
+    _require(key, a, slot.shape, FLOATS)
+    out[f"{name}.weight"] = a
+    return True
+
+
+def _require_parts(name: str, got: dict, parts: tuple[str, ...]) -> None:
+    for part in parts:
         if part not in got:
             raise BundleError(f"{name}.{part}: missing")
+
+
+def _read_linear(name, slot, got, config, out, affine) -> str:
+    out_f, in_f = slot.shape
+    if _take_float(name, slot, got, out):
+        return "float"
+    _require_parts(name, got, ("weight", "scales", "biases"))
     bits, group = _affine_params(config, name)
     if in_f % group:
         raise BundleError(f"{name}.scales: in_features {in_f} not divisible by group {group}")
@@ -355,14 +366,9 @@ def _read_experts(name, slot, got, out) -> str | int:
                     raise BundleError(f"{k}: shape/dtype differs from expert 0")
             fields[leaf] = (f"{keys[0]} (stacked)", mx.stack(arrays))
 
-    if set(fields) == {"weight"}:
-        key, a = fields["weight"]
-        _require(key, a, slot.shape, FLOATS)
-        out[f"{name}.weight"] = a
+    if _take_float(name, slot, fields, out):
         return "float"
-    for leaf in ("tq_packed", "tq_norms", "tq_bits"):
-        if leaf not in fields:
-            raise BundleError(f"{name}.{leaf}: missing")
+    _require_parts(name, fields, ("tq_packed", "tq_norms", "tq_bits"))
     extra = set(fields) - {"tq_packed", "tq_norms", "tq_bits"}
     if extra:
         raise BundleError(f"{name}.{min(extra)}: unexpected next to MXTQ tensors")
