@@ -25,6 +25,13 @@ def windows(tokens: list[int], size: int) -> list[list[int]]:
     return [tokens[i : i + size] for i in range(0, len(tokens), size) if len(tokens[i:]) > 1]
 
 
+def window_nll(logits: mx.array, window: list[int]) -> float:
+    """Summed NLL (nats) of window[1:] under teacher-forced logits [T, V] of the window."""
+    lf = logits[:-1].astype(mx.float32)
+    logprobs = lf - mx.logsumexp(lf, axis=-1, keepdims=True)
+    return -mx.take_along_axis(logprobs, mx.array(window[1:])[:, None], axis=-1).sum().item()
+
+
 def _logits(model, window: list[int], mode: str) -> mx.array:
     """Teacher-forced logits [T, V]; `float` = W8 weights with A8 and KV quantization off."""
     parity = mode == "float"
@@ -55,11 +62,8 @@ def evaluate(
     for w in windows(tokens, window):
         with dense_matmul():
             logits = {m: _logits(model, w, m) for m in {*modes, "draft", "target"}}
-        targets = mx.array(w[1:])[:, None]
         for m in modes:
-            lf = logits[m][:-1].astype(mx.float32)
-            logprobs = lf - mx.logsumexp(lf, axis=-1, keepdims=True)
-            nll[m] -= mx.take_along_axis(logprobs, targets, axis=-1).sum().item()
+            nll[m] += window_nll(logits[m], w)
         same = mx.argmax(logits["draft"], -1) == mx.argmax(logits["target"], -1)
         agree += mx.sum(same).item()
         n_positions += len(w)

@@ -30,7 +30,7 @@ import numpy as np
 import bitnest_mlx
 from bitnest_mlx.convert import convert
 from bitnest_mlx.convert.sources import load_gguf
-from bitnest_mlx.eval import evaluate, windows
+from bitnest_mlx.eval import evaluate, window_nll, windows
 
 SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 GGUF = "qwen2.5-coder-0.5b-instruct.gguf"
@@ -121,9 +121,8 @@ def mlx_lm_model(gguf: Path, bits: int | None):
 def mlx_lm_scores(model, tokens: list[int], window: int) -> tuple[float, np.ndarray]:
     nll, n, argmax = 0.0, 0, []
     for w in windows(tokens, window):
-        logits = model(mx.array(w)[None])[0].astype(mx.float32)
-        lp = logits[:-1] - mx.logsumexp(logits[:-1], axis=-1, keepdims=True)
-        nll -= mx.take_along_axis(lp, mx.array(w[1:])[:, None], axis=-1).sum().item()
+        logits = model(mx.array(w)[None])[0]
+        nll += window_nll(logits, w)
         n += len(w) - 1
         argmax.append(np.array(mx.argmax(logits, -1)))
     return float(np.exp(nll / n)), np.concatenate(argmax)
