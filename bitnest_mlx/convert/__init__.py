@@ -31,10 +31,13 @@ def convert(
     method: str = "gptq",
     rotate_kind: str = "hadamard",
     seed: int = 0,
-    calib_tokens: int = 4096,
+    calib_tokens: int = 8192,
     calib_seq_len: int = 256,
     damp: float = 0.01,
     lo_method: str = "gptq",
+    w8_slack: float | None = 3.0,
+    r3: bool = True,
+    kv_group: int = 32,
     scratch: Path,
 ) -> dict:
     """Convert one checkpoint; returns a summary (also recorded in the manifest's `conversion`)."""
@@ -60,6 +63,7 @@ def convert(
             damp,
             progress=lambda _: bar.update(),
             lo_method=lo_method,
+            w8_slack=w8_slack,
         )
     elif method == "rtn":
         quantize = lambda name, w: bitnest.planes_from_codes(w)
@@ -83,9 +87,12 @@ def convert(
         "source": str(hf_path or gguf),
         "method": method,
         "lo_method": lo_method if method == "gptq" else "rtn",
+        "w8_slack": w8_slack if method == "gptq" else None,
         "rotation": rotate_kind,
         "seed": seed,
         "r4_k": k,
+        "r3": r3,
+        "kv_group": kv_group,
         "calibration_tokens": int(tokens.size) if method == "gptq" else 0,
     }
     bitnest.write(
@@ -97,6 +104,8 @@ def convert(
         name=source.name,
         source_model=str(hf_path or gguf),
         notes={**summary, "per_linear": stats},
+        r3=r3,
+        kv_group=kv_group,
     )
     bar.close()
     layers = [s for n, s in stats.items() if n != "lm_head"]

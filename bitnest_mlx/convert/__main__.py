@@ -14,6 +14,14 @@ from .rotation import ROTATIONS
 from .sources import SourceError
 
 
+def _slack(value: str) -> float | None:
+    if value == "none":
+        return None
+    if float(value) < 0.5:
+        raise argparse.ArgumentTypeError("must be >= 0.5 (RTN's own distance) or 'none'")
+    return float(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bitnest_mlx.convert",
@@ -28,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=("gptq", "rtn"), default="gptq", help="hi-plane method")
     p.add_argument("--rotate", choices=ROTATIONS, default="hadamard", help="R1/R2 rotation kind")
     p.add_argument("--seed", type=int, default=0, help="seed for rotations (default 0)")
-    p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens for GPTQ")
+    p.add_argument("--calib-tokens", type=int, default=8192, help="calibration tokens for GPTQ")
     p.add_argument("--calib-seq-len", type=int, default=256, help="calibration sequence length")
     p.add_argument(
         "--lo",
@@ -38,6 +46,28 @@ def build_parser() -> argparse.ArgumentParser:
         "residual of the seed format (saturates where GPTQ moved the hi code)",
     )
     p.add_argument("--damp", type=float, default=0.01, help="GPTQ Hessian damping (x mean diag)")
+    p.add_argument(
+        "--w8-slack",
+        type=_slack,
+        default=3.0,
+        help="GPTQ may move a hi code only to the hi nibble of a W8 code within this many W8 "
+        "steps (s/16) of the weight; 'none' leaves it free, at a cost to the target (default 3)",
+    )
+    p.add_argument(
+        "--r3",
+        choices=("on", "off"),
+        default="on",
+        help="per-head Hadamard of q and k before the KV cache (manifest kv.r3; default on: it "
+        "cuts the 4-bit K cache error, most on Qwen2)",
+    )
+    p.add_argument(
+        "--kv-group",
+        type=int,
+        choices=(32, 64, 128),
+        default=32,
+        help="KV cache values per scale (manifest kv.group; default 32: finer KV4/KV8 than one "
+        "scale per head for 1/4 bit more per cached value)",
+    )
     return p
 
 
@@ -58,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
                 calib_seq_len=args.calib_seq_len,
                 damp=args.damp,
                 lo_method=args.lo,
+                w8_slack=args.w8_slack,
+                r3=args.r3 == "on",
+                kv_group=args.kv_group,
                 scratch=Path(tmp),
             )
     except (SourceError, FileNotFoundError, ValueError) as e:

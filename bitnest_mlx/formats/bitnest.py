@@ -22,6 +22,7 @@ FORMAT = "bitnest-package-v1"
 MANIFEST_NAMES = ("bitnest.json", "manifest.json")
 INDEX_NAME = "model.safetensors.index.json"
 GROUP_SIZE = 128
+KV_GROUPS = (32, 64, 128)
 ARCHS = ("llama", "qwen2")
 LAYER_LINEARS = (
     "self_attn.q_proj",
@@ -93,8 +94,25 @@ class Planes:
 
 
 def quantize_planes(w: np.ndarray) -> Planes:
-    """RTN planes: q4 = round(w/s), s = amax/7 per 128 columns; qr = round((w - q4 s)/(s/16))."""
+    """RTN planes: the W8 code q8 = round(w/(s/16)) split into hi and lo nibbles (see
+    `planes_from_codes`), s from `weight_scales`."""
     return planes_from_codes(w)
+
+
+W8_MAX = 119 / 16  # the W8 grid spans [-8 s, 7.4375 s]: q8 = 16 q4 + qr in [-128, 119]
+
+
+def weight_scales(w: np.ndarray) -> np.ndarray:
+    """fp16 scales [N, K/128]: the smallest s whose W8 grid still holds every value of the group
+    (max/7.4375 and -min/8), so W8 never clips and W4 gets a ~6 % finer step than amax/7."""
+    n, k = w.shape
+    if k % GROUP_SIZE:
+        raise ValueError(f"weight shape {[n, k]}: K must be a multiple of {GROUP_SIZE}")
+    wg = w.astype(np.float32).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    s = np.maximum(wg.max(-1) / W8_MAX, -wg.min(-1) / 8)
+    s16 = np.maximum(s, 2.0**-14).astype(np.float16)
+    s16[s == 0] = 1
+    return s16
 
 
 def planes_from_codes(
@@ -105,24 +123,21 @@ def planes_from_codes(
 ) -> Planes:
     """Planes for weight `w` [N, K] from given hi codes q4 [N, K] and fp16 scales [N, K/128].
 
-    Missing codes are RTN (round(w/s)), missing scales amax/7 per group, so the hi plane can come
-    from GPTQ; a missing `residual` (lo codes qr [N, K]) is the RTN residual of the original
-    weight: qr = clip(round((w - q4 s)/(s/16)), -8, 7), kept >= 0 where q4 = -8 (q8 >= -128).
+    Missing scales come from `weight_scales`. Missing codes are RTN of the W8 code:
+    q8 = clip(round(w/(s/16)), -128, 119) and q4 = floor((q8 + 8)/16), its hi nibble, which is
+    round(w/s) except within s/32 of a midpoint; so the residual below never clips. A missing
+    `residual` (lo codes qr [N, K]) is the RTN residual of the original weight:
+    qr = clip(round((w - q4 s)/(s/16)), -8, 7), kept >= 0 where q4 = -8 (q8 >= -128).
     """
     n, k = w.shape
-    if k % GROUP_SIZE:
-        raise ValueError(f"weight shape {[n, k]}: K must be a multiple of {GROUP_SIZE}")
+    s16 = weight_scales(w) if scales is None else np.asarray(scales, dtype=np.float16)
+    s16 = s16.reshape(n, k // GROUP_SIZE)
     wg = w.astype(np.float32).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
-    if scales is None:
-        amax = np.abs(wg).max(-1)
-        # Codes are computed from the fp16 scale actually stored, so dequantization is consistent.
-        s16 = np.maximum(amax / 7, 2.0**-14).astype(np.float16)
-        s16[amax == 0] = 1
-    else:
-        s16 = np.asarray(scales, dtype=np.float16).reshape(n, k // GROUP_SIZE)
+    # Codes are computed from the fp16 scale actually stored, so dequantization is consistent.
     s = s16.astype(np.float32)[..., None]
     if codes is None:
-        q4 = np.clip(np.round(wg / s), -8, 7)
+        q8 = np.clip(np.round(wg / (s / 16)), -128, 119)
+        q4 = np.floor((q8 + 8) / 16)
     else:
         q4 = np.asarray(codes, dtype=np.float32).reshape(wg.shape)
         if q4.min() < -8 or q4.max() > 7:
@@ -379,6 +394,11 @@ def _check_manifest(manifest: dict, f: Path) -> None:
             )
         if not isinstance(entry.get("has_bias", False), bool):
             raise PackageError(f"{f}: {name}: has_bias = {entry['has_bias']!r}, expected a bool")
+    kv_group = (manifest.get("kv") or {}).get("group")
+    if kv_group is not None and kv_group not in KV_GROUPS:
+        raise PackageError(
+            f"{f}: kv.group = {kv_group!r}, expected one of {KV_GROUPS} (MLX's group sizes)"
+        )
     if (manifest.get("kv") or {}).get("per_channel_offset") == "k_bias":
         unbiased = [n for n, e in layers.items() if n.endswith("k_proj") and not e.get("has_bias")]
         if unbiased:
@@ -588,6 +608,11 @@ def read(path: str | Path) -> Package:
     manifest = _read_json(manifest_file)
     _check_manifest(manifest, manifest_file)
     config = _load_config(path, manifest, manifest_file)
+    kv_group = (manifest.get("kv") or {}).get("group", config["head_dim"])
+    if config["head_dim"] % kv_group:
+        raise PackageError(
+            f"{manifest_file}: kv.group = {kv_group} does not divide head_dim {config['head_dim']}"
+        )
     has_config = (path / "config.json").is_file()
     dims_from = "config.json" if has_config else f"the layer-0 shapes in {manifest_file.name}"
     linears = _check_linears(manifest, config, manifest_file, dims_from)
@@ -675,7 +700,15 @@ def fold_norms(weights: Mapping[str, np.ndarray], num_layers: int) -> dict[str, 
 
 
 def _manifest(
-    config: dict, arch: str, name: str, source: str | None, linears: dict, lm_head: Planes, k: int
+    config: dict,
+    arch: str,
+    name: str,
+    source: str | None,
+    linears: dict,
+    lm_head: Planes,
+    k: int,
+    r3: bool,
+    kv_group: int | None,
 ) -> dict:
     n_layers, head_dim = config["num_hidden_layers"], config["head_dim"]
     per_layer_group = {
@@ -724,7 +757,8 @@ def _manifest(
             "per_channel_offset": (
                 "k_bias" if linears["model.layers.0.self_attn.k_proj"]["has_bias"] else "none"
             ),
-            "r3": "optional, off",
+            "r3": r3,
+            **({"group": kv_group} if kv_group else {}),
         },
         "rope": {
             "theta": config.get("rope_theta", 10000.0),
@@ -756,13 +790,17 @@ def write(
     source_model: str | None = None,
     quantize: Callable[[str, np.ndarray], Planes] | None = None,
     notes: dict | None = None,
+    r3: bool = False,
+    kv_group: int | None = None,
 ) -> Path:
     """Write float Llama/Qwen2 weights (HF names) as a package: norms folded, R4 fused, RTN.
 
     `quantize(name, w)` replaces RTN (e.g. GPTQ hi codes via `planes_from_codes`); it is called
     once per Linear in forward order (layer 0 q, k, v, o, gate, up, down, layer 1, ..., lm_head)
     with the weight as stored (norms folded, R4 fused into down_proj). `notes` (JSON-able) is
-    recorded in the manifest as `conversion`.
+    recorded in the manifest as `conversion`. `r3` turns on the per-head Hadamard of q and k
+    before the KV cache and `kv_group` sets the KV cache's scale group (default head_dim); the
+    weights do not change.
     """
     arch = config.get("model_type")
     if arch not in ARCHS:
@@ -839,7 +877,9 @@ def write(
         tensors[f"aux.had_K.{k}"] = mx.array(had.astype(np.float32))
     mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
 
-    manifest = _manifest(config, arch, name or out.name, source_model, linears, lm_head, k)
+    manifest = _manifest(
+        config, arch, name or out.name, source_model, linears, lm_head, k, r3, kv_group
+    )
     if notes is not None:
         manifest["conversion"] = notes
     (out / "bitnest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
