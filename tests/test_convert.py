@@ -295,7 +295,8 @@ def test_convert_cli_hf_checkpoint_loads_in_all_modes(tmp_path):
     assert not mx.array_equal(outs["draft"], outs["target"])
 
 
-def test_sequential_gptq_beats_rtn_on_every_linear_with_its_calibration_inputs(tmp_path):
+@pytest.mark.parametrize("w8_slack", [3.0, None])  # the converter's default, and free codes
+def test_sequential_gptq_beats_rtn_on_every_linear_with_its_calibration_inputs(tmp_path, w8_slack):
     from bitnest_mlx.convert.gptq import SequentialGPTQ
     from bitnest_mlx.formats import bitnest
     from bitnest_mlx.formats.hadamard import hadamard_k
@@ -304,7 +305,7 @@ def test_sequential_gptq_beats_rtn_on_every_linear_with_its_calibration_inputs(t
     config = config_dict(model)
     weights = rotate(fold_norms(state(model), 2), config, "hadamard", seed=0)
     tokens = np.random.default_rng(0).integers(0, VOCAB, (4, 64))
-    gptq = SequentialGPTQ(weights, config, tokens, hadamard_k(12))
+    gptq = SequentialGPTQ(weights, config, tokens, hadamard_k(12), w8_slack=w8_slack)
     errors = {}
 
     def quantize(name: str, w: np.ndarray) -> bitnest.Planes:

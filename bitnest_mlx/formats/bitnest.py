@@ -751,8 +751,9 @@ def _manifest(
             "lm_head, model.norm.weight saved as ones",
         },
         "kv": {
-            "nesting": "per (token, kv head) s = max|x|/7, q4 = clip(round(x/s)), "
-            "qr = clip(round((x - q4 s)/(s/16))); draft reads q4 (KV4), target 16q4+qr (KV8)",
+            "nesting": "per token and kv.group values of a head: s = max|x|/7, "
+            "q4 = clip(round(x/s)), qr = clip(round((x - q4 s)/(s/16))); "
+            "draft reads q4 (KV4), target 16q4+qr (KV8)",
             # Qwen2's k bias dominates K's per-token scale: K is cached without it (see models).
             "per_channel_offset": (
                 "k_bias" if linears["model.layers.0.self_attn.k_proj"]["has_bias"] else "none"
