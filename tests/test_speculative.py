@@ -229,7 +229,7 @@ def test_end_to_end_first_token_follows_target_distribution(tmp_path):
     sampler = make_sampler(1.0)
     p = np.exp(np.array(sampler.logprobs(model(y[None], mode="target")[0, -1])))
     q = np.exp(np.array(sampler.logprobs(model(y[None], mode="draft")[0, -1])))
-    assert 0.5 * np.abs(p - q).sum() > 0.15  # the draft really differs
+    assert 0.5 * np.abs(p - q).sum() > 0.1  # the draft really differs
     counts, from_draft = np.zeros(8, dtype=int), 0
     for _ in range(600):
         steps = speculative_generate_step(
