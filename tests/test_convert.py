@@ -96,15 +96,16 @@ def test_fused_rotations_leave_float_logits_unchanged(arch, kind):
     np.testing.assert_allclose(logits(model, rotated, tokens), reference, atol=1e-4)
 
 
+def gptq_problem(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Calibration inputs x [2048, 256] and a weight [192, 256]; the inputs are correlated and
+    outlier-heavy, where GPTQ's error feedback pays."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2048, 256)) @ rng.standard_normal((256, 256))
+    return x * rng.uniform(0.1, 3, 256), rng.standard_normal((192, 256))
+
+
 def test_gptq_has_lower_layer_output_error_than_rtn():
-    rng = np.random.default_rng(0)
-    # Correlated, outlier-heavy activations: where GPTQ's error feedback pays.
-    x = (
-        rng.standard_normal((2048, 256))
-        @ rng.standard_normal((256, 256))
-        * rng.uniform(0.1, 3, 256)
-    )
-    w = rng.standard_normal((192, 256))
+    x, w = gptq_problem(0)
     s = np.repeat(bitnest.weight_scales(w).astype(np.float64), 128, axis=1)
     rtn = np.clip(np.round(w / s), -8, 7) * s
     q, scales = gptq_codes(w, hessian(x))
@@ -120,13 +121,7 @@ def test_gptq_has_lower_layer_output_error_than_rtn():
 
 @pytest.mark.parametrize("slack", [1.5, 3.0])
 def test_gptq_w8_slack_bounds_the_target_error_and_still_beats_rtn(slack):
-    rng = np.random.default_rng(2)
-    x = (
-        rng.standard_normal((2048, 256))
-        @ rng.standard_normal((256, 256))
-        * rng.uniform(0.1, 3, 256)
-    )
-    w = rng.standard_normal((192, 256))
+    x, w = gptq_problem(2)
     h = hessian(x)
     q4, scales = gptq_codes(w, h, w8_slack=slack)
     bound = bitnest.planes_from_codes(w, q4, scales)  # RTN residual of the original weight
@@ -360,13 +355,7 @@ def test_gptq_residual_recovers_w8_accuracy_lost_to_saturation():
     from bitnest_mlx.convert.gptq import gptq_residual_codes
     from bitnest_mlx.formats import bitnest
 
-    rng = np.random.default_rng(1)
-    x = (
-        rng.standard_normal((2048, 256))
-        @ rng.standard_normal((256, 256))
-        * rng.uniform(0.1, 3, 256)
-    )
-    w = rng.standard_normal((192, 256))
+    x, w = gptq_problem(1)
     h = hessian(x)
     q4, scales = gptq_codes(w, h)
     rtn = bitnest.planes_from_codes(w, q4, scales)
