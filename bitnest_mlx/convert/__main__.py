@@ -9,6 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..formats.bitnest import KV_GROUPS
 from . import convert
 from .rotation import ROTATIONS
 from .sources import SourceError
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-group",
         type=int,
-        choices=(32, 64, 128),
+        choices=KV_GROUPS,
         default=32,
         help="KV cache values per scale (manifest kv.group; default 32: finer KV4/KV8 than one "
         "scale per head for 1/4 bit more per cached value)",
