@@ -305,15 +305,14 @@ def test_sequential_gptq_beats_rtn_on_every_linear_with_its_calibration_inputs(t
 
     def quantize(name: str, w: np.ndarray) -> bitnest.Planes:
         planes = gptq(name, w)
-        if name != "lm_head":
-            h = gptq.hessians[name.rsplit(".", 1)[1]]
-            for label, p in (("gptq", planes), ("rtn", bitnest.planes_from_codes(w))):
-                dw = w - bitnest.dequantize_planes(p.hi, p.lo, p.scales, draft=True)
-                errors.setdefault(name, {})[label] = np.trace(dw @ h @ dw.T)
+        h = gptq.hessians[name.rsplit(".", 1)[-1]]
+        for label, p in (("gptq", planes), ("rtn", bitnest.planes_from_codes(w))):
+            dw = w - bitnest.dequantize_planes(p.hi, p.lo, p.scales, draft=True)
+            errors.setdefault(name, {})[label] = np.trace(dw @ h @ dw.T)
         return planes
 
     bitnest.write(tmp_path, weights, config, quantize=quantize)
-    assert len(errors) == 2 * 7
+    assert len(errors) == 2 * 7 + 1  # lm_head included
     for name, e in errors.items():
         assert e["gptq"] < e["rtn"], name
 

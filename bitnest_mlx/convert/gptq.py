@@ -140,7 +140,9 @@ class SequentialGPTQ:
 
     The writer asks for Linears in forward order (layer 0 q, k, v, o, gate, up, down, layer 1 …,
     lm_head), so the first request of layer i triggers its calibration pass over the hidden states
-    left by the already quantized layers. lm_head stays RTN, as in the seed manifest.
+    left by the already quantized layers; lm_head's pass is the final norm over the whole quantized
+    stack. (The seed manifest's lm_head is RTN; GPTQ is the same format and, on Qwen2.5-0.5B, cuts
+    the draft's W4 lm_head cost.)
     """
 
     def __init__(
@@ -169,12 +171,10 @@ class SequentialGPTQ:
         )
 
     def __call__(self, name: str, w: np.ndarray) -> Planes:
-        if name == "lm_head":
-            return planes_from_codes(w, None, None)
-        layer = int(name.split(".")[2])
+        layer = self.config["num_hidden_layers"] if name == "lm_head" else int(name.split(".")[2])
         if layer != self.layer:
             self._advance(layer)
-        h = self.hessians[name.rsplit(".", 1)[1]]
+        h = self.hessians[name.rsplit(".", 1)[-1]]
         codes, scales = gptq_codes(w, h, self.damp, self.w8_slack)
         residual = gptq_residual_codes(w, codes, scales, h, self.damp) if self.gptq_lo else None
         planes = planes_from_codes(w, codes, scales, residual)
@@ -227,6 +227,13 @@ class SequentialGPTQ:
             self._layer(self.layer, quantized=True)  # hidden states through the quantized layer
             if self.progress:
                 self.progress(self.layer)
+        if layer == self.config["num_hidden_layers"]:
+            # lm_head reads the final norm's A8 output of the quantized stack.
+            self.hessians = {
+                "lm_head": hessian(_a8(_rms_norm(self.h, self.config["rms_norm_eps"])))
+            }
+            self.layer = layer
+            return
         saved = self.h
         inputs = self._layer(layer, quantized=False)
         self.h = saved

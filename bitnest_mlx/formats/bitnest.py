@@ -773,7 +773,7 @@ def _manifest(
             "gpu_runner": "bitnest_mlx.generate",
         },
         "lm_head_note": (
-            "lm_head is an RTN dual plane (W4 + residual, gs128): draft reads W4, target W8, "
+            "lm_head is a dual plane (W4 + residual, gs128): draft reads W4, target W8, "
             f"activations A8 per token; residual saturation {100 * lm_head.saturation:.4f}%, "
             f"W8 max relative error {lm_head.w8_max_rel_err:.2e}, W4 relative Frobenius error "
             f"{lm_head.w4_rel_fro_err:.3f}; final norm folded in"
@@ -869,7 +869,7 @@ def write(
             "has_bias": bias is not None,
         }
         if lin == "lm_head":
-            lm_head = planes  # its RTN diagnostics go into the manifest's lm_head_note
+            lm_head = planes  # its diagnostics go into the manifest's lm_head_note
     tensors["model.embed_tokens.weight"] = mx.array(w["model.embed_tokens.weight"]).astype(
         mx.bfloat16
     )
