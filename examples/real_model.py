@@ -9,7 +9,10 @@
 3. Scores perplexity on Debian's GPL-3 and Apache-2.0 texts (windows of 512) for every package in
    float / target / draft mode, beside mlx-lm's own affine quantization of the same float weights
    (float, 8-bit and 4-bit, group 128), plus draft/target argmax agreement and the mean accepted
-   length of the speculative loop at γ = 4. Prints a markdown table and writes report.json.
+   length of the speculative loop at γ = 4. mlx-lm's quantizer also gets the same float function
+   with the norms folded (as a package must store it) and rotated (`BASES`): the source's AWQ
+   equalization lives in its norm weights, which folding removes.
+   Prints a markdown table and writes report.json.
 Set LD_PRELOAD to OpenBLAS (see examples/real_model.md) for a much faster float baseline.
 """
 
@@ -30,8 +33,10 @@ import numpy as np
 
 import bitnest_mlx
 from bitnest_mlx.convert import convert
-from bitnest_mlx.convert.sources import load_gguf
+from bitnest_mlx.convert.rotation import rotate
+from bitnest_mlx.convert.sources import Source, load_gguf
 from bitnest_mlx.eval import evaluate, window_nll, windows
+from bitnest_mlx.formats.bitnest import fold_norms
 
 SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 GGUF = "qwen2.5-coder-0.5b-instruct.gguf"
@@ -83,13 +88,24 @@ def license_text(name: str) -> str:
     return Path("/usr/share/common-licenses", name).read_text(encoding="utf-8").replace("\f", "")
 
 
-def mlx_lm_model(gguf: Path, bits: int | None):
-    """mlx-lm's own Qwen2 on the same float weights, optionally affine-quantized (group 128)."""
+BASES = {  # label suffix: how the float weights are expressed before mlx-lm quantizes them
+    "": "source",  # as the GGUF ships them (its AWQ equalization lives in the norm weights)
+    ", norms folded": "folded",  # the function a package stores: norms fused into the Linears
+    ", norms folded + R1/R2": "rotated",  # ... and rotated as the converter does (exact in float)
+}
+
+
+def mlx_lm_model(source: Source, bits: int | None, basis: str = "source"):
+    """mlx-lm's own Qwen2 on the same float weights, optionally affine-quantized (group 128).
+    `basis` re-expresses the same float function first (`BASES`); float logits are unchanged."""
     from mlx_lm.models import qwen2
 
-    with tempfile.TemporaryDirectory() as tmp:
-        source = load_gguf(gguf, Path(tmp))
     c = source.config
+    weights = source.weights
+    if basis != "source":
+        weights = fold_norms(weights, c["num_hidden_layers"])
+    if basis == "rotated":
+        weights = rotate(weights, c, "hadamard", 0)
     args = qwen2.ModelArgs(
         model_type="qwen2",
         hidden_size=c["hidden_size"],
@@ -103,7 +119,7 @@ def mlx_lm_model(gguf: Path, bits: int | None):
         tie_word_embeddings=False,
     )
     model = qwen2.Model(args)
-    model.load_weights([(k, mx.array(v)) for k, v in source.weights.items()], strict=True)
+    model.load_weights([(k, mx.array(v)) for k, v in weights.items()], strict=True)
     if bits:
         # mlx-lm's own quantization, then the dequantized copy: equal to the quantized kernels
         # within 1.2e-4 log-prob (baselines note) and 30x faster on this CPU through OpenBLAS.
@@ -176,19 +192,23 @@ def main() -> None:
             )
             print(rows[-1], flush=True)
     tokens = {n: tok.encode(t)[: limits[n]] for n, t in texts.items()}
-    argmax = {}
-    for bits in () if args.no_mlx_lm else (None, 8, 4):
-        model = mlx_lm_model(gguf, bits)
-        scores = {n: mlx_lm_scores(model, tokens[n], args.window) for n in texts}
-        argmax[bits] = scores["GPL-3"][1]
-        name = f"mlx-lm {'float' if bits is None else f'{bits}-bit g128'}"
-        report[name] = {n: {"ppl": s[0]} for n, s in scores.items()}
-        rows.append((name, *(s[0] for s in scores.values()), None, None))
-        print(rows[-1], flush=True)
-        del model
-    if argmax:
-        agreement = float(np.mean(argmax[4] == argmax[8]))
-        report["mlx-lm 4-bit vs 8-bit argmax agreement"] = agreement
+    agreements = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        source = None if args.no_mlx_lm else load_gguf(gguf, Path(tmp))
+    for suffix, basis in () if args.no_mlx_lm else BASES.items():
+        argmax = {}
+        for bits in (None, 8, 4) if basis == "source" else (8, 4):
+            model = mlx_lm_model(source, bits, basis)
+            scores = {n: mlx_lm_scores(model, tokens[n], args.window) for n in texts}
+            argmax[bits] = scores["GPL-3"][1]
+            name = f"mlx-lm {'float' if bits is None else f'{bits}-bit g128'}{suffix}"
+            report[name] = {n: {"ppl": s[0]} for n, s in scores.items()}
+            agreement = float(np.mean(argmax[4] == argmax[8])) if bits == 4 else None
+            rows.append((name, *(s[0] for s in scores.values()), agreement, None))
+            print(rows[-1], flush=True)
+            del model
+        agreements[f"mlx-lm 4-bit vs 8-bit argmax agreement{suffix}"] = agreement
+    report.update(agreements)
 
     print(
         "\n| model, mode | ppl GPL-3 | ppl Apache-2.0 | draft/target agreement | "
@@ -197,8 +217,9 @@ def main() -> None:
     for name, *vals in rows:
         cells = ["" if v is None else f"{v:.3f}" for v in vals]
         print(f"| {name} | " + " | ".join(cells) + " |")
-    if argmax:
-        print(f"\nmlx-lm 4-bit vs 8-bit argmax agreement (GPL-3): {agreement:.3f}")
+    print()
+    for name, agreement in agreements.items():
+        print(f"{name} (GPL-3): {agreement:.3f}")
     report_file.write_text(json.dumps(report, indent=2))
 
 
