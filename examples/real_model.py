@@ -216,7 +216,8 @@ def main() -> None:
     for name, *vals in rows:
         cells = ["" if v is None else f"{v:.3f}" for v in vals]
         print(f"| {name} | " + " | ".join(cells) + " |")
-    print()
+    if agreements:
+        print()
     for name, agreement in agreements.items():
         print(f"{name} (GPL-3): {agreement:.3f}")
     report_file.write_text(json.dumps(report, indent=2))
