@@ -1,10 +1,14 @@
-"""The embedded demo package: built deterministically on first use, no network.
+"""The embedded demos: built deterministically on first use, no network.
 
-A byte-level BPE tokenizer (256 bytes + <|endoftext|>) and a 2-layer Llama whose embedding is
-one-hot and whose lm_head holds byte-bigram log-probabilities of the text below; the decoder
-layers are small random weights (R4 with K = 12 included). So the default command prints
-English-looking text, and draft (W4) and target (W8) visibly differ. It is a format and runtime
-demo, not a language model.
+bitnest package (`demo_path`): a byte-level BPE tokenizer (256 bytes + <|endoftext|>) and a
+2-layer Llama whose embedding is one-hot and whose lm_head holds byte-bigram log-probabilities of
+the text below; the decoder layers are small random weights (R4 with K = 12 included). So the
+default command prints English-looking text, and draft (W4) and target (W8) visibly differ. It is
+a format and runtime demo, not a language model.
+
+DeepSeek-V4 bundle (`demo_bundle_path`): TINY_CONFIG with every feature of the family on (hash
+layers, ratios 0/4/128, an active indexer, mixed 2/4-bit experts) and random weights, which the
+DSV4 tests share. Both demos only write formats; nothing here imports a model.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .formats import bitnest
+from .formats import bitnest, dsv4_bundle, dsv4_bundle_write
+from .formats.dsv4_bundle import Slot
 
 VERSION = 1
 CORPUS = """\
@@ -144,9 +149,163 @@ def cached_build(name: str, build: Callable[[Path], None]) -> Path:
 
 def _build_demo(out: Path) -> None:
     weights, config = demo_weights(write_tokenizer(out))
-    bitnest.write(out, weights, config, name="bitnest-demo", source_model="bitnest_mlx.demo")
+    from .convert.package import write_package
+
+    write_package(out, weights, config, name="bitnest-demo", source_model="bitnest_mlx.demo")
 
 
 def demo_path() -> Path:
     """The demo package directory, built offline on first use."""
     return cached_build(f"demo-v{VERSION}", _build_demo)
+
+
+# ---------------------------------------------------------------- DeepSeek-V4 demo bundle
+
+# Every feature of the family at toy size: hash layers 0-2, ratios 0/4/128, index_topk smaller
+# than the compressed pool after 24 tokens, 16 indexer heads (few heads make exact score ties).
+TINY_CONFIG = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 96,
+    "qk_rope_head_dim": 32,
+    "q_lora_rank": 32,
+    "o_lora_rank": 32,
+    "o_groups": 2,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_shared_experts": 1,
+    "num_hash_layers": 3,
+    "routed_scaling_factor": 1.5,
+    "scoring_func": "sqrtsoftplus",
+    "norm_topk_prob": True,
+    "swiglu_limit": 10.0,
+    "sliding_window": 8,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 16.0,
+        "original_max_position_embeddings": 65536,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    },
+    "compress_ratios": [0, 0, 4, 128, 4, 0],
+    "index_n_heads": 16,
+    "index_head_dim": 64,
+    "index_topk": 4,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 1048576,
+    "num_nextn_predict_layers": 0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
+# Mixed widths for the demo: hash layers at 4 bits, the rest mostly 2 (like the q3.4 seed).
+DEMO_BITS = {
+    f"layer_{i}.{p}": 4 if i < 3 or p == "down_proj" else 2
+    for i in range(6)
+    for p in ("gate_proj", "up_proj", "down_proj")
+}
+
+
+def random_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """Deterministic float32 weights for every slot of the config (model parameter names).
+
+    Scales keep activations O(1) through the layers; expert gains are chosen so that the SwiGLU
+    clamp (±swiglu_limit) fires on a few percent of elements, which the parity tests need.
+    """
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for name, slot in dsv4_bundle.schedule(config).items():
+        out[name if slot.kind in ("float", "int") else f"{name}.weight"] = _init(
+            rng, name, slot, config
+        )
+    return out
+
+
+def _init(rng: np.random.Generator, name: str, slot: Slot, config: dict) -> np.ndarray:
+    shape = slot.shape
+    normal = lambda std: (rng.standard_normal(shape) * std).astype(np.float32)  # noqa: E731
+    if slot.kind == "int":  # tid2eid: k distinct experts per token id
+        n = config["n_routed_experts"]
+        return np.stack([rng.permutation(n)[: shape[1]] for _ in range(shape[0])]).astype(np.int32)
+    if slot.kind == "embedding":
+        return normal(1.0)
+    if slot.kind == "experts":
+        gain = 1.0 if name.endswith("down_proj") else 6.0
+        return normal(gain / np.sqrt(shape[-1]))
+    if slot.kind == "linear":
+        return normal(1.0 / np.sqrt(shape[-1]))
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "weight" and "norm" in name:
+        return (1.0 + normal(0.1)).astype(np.float32)
+    if "hc_" in name:
+        if name.endswith("_fn"):
+            return normal(0.5 / np.sqrt(shape[-1]))
+        return normal(0.5) if name.endswith("_base") else (1.0 + normal(0.2)).astype(np.float32)
+    if leaf == "ape":
+        return normal(0.5)
+    if leaf == "attn_sink":
+        return normal(1.0)
+    if name.endswith("gate.weight"):
+        return normal(1.0 / np.sqrt(shape[-1]))
+    return normal(0.1)  # router bias
+
+
+def write_demo_bundle(path: str | Path, seed: int = 0) -> Path:
+    """The tiny demo: TINY_CONFIG, random weights, affine 8-bit + mixed 2/4-bit MXTQ, 2 shards,
+    and a character-level tokenizer with a DeepSeek-style chat template."""
+    config = dict(TINY_CONFIG)
+    path = dsv4_bundle_write.write(
+        path, config, random_weights(config, seed), expert_bits=DEMO_BITS
+    )
+    write_demo_tokenizer(path, config["vocab_size"])
+    return path
+
+
+# DeepSeek's special tokens; the real bundles ship their own tokenizer and template.
+_SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
+_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
+)
+
+
+def write_demo_tokenizer(path: str | Path, vocab_size: int) -> None:
+    """One token per printable ASCII character (+ newline) after BOS 0, EOS 1, User, Assistant
+    and <unk>; the remaining ids up to vocab_size are reserved placeholders."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = [*_SPECIALS, "<unk>", "\n", *map(chr, range(32, 127))]
+    tokens += [f"<｜reserved_{i}｜>" for i in range(len(tokens), vocab_size)]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=_SPECIALS[0],
+        eos_token=_SPECIALS[1],
+        unk_token="<unk>",
+        additional_special_tokens=_SPECIALS[2:],
+        chat_template=_CHAT_TEMPLATE,
+    ).save_pretrained(str(path))
+
+
+def demo_bundle_path() -> Path:
+    """The tiny DSV4 demo bundle in the bitnest_mlx cache dir, built offline on first use."""
+    return cached_build("dsv4-tiny-demo", write_demo_bundle)

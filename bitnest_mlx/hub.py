@@ -10,11 +10,11 @@ download that was cut short is completed (online) or refused (offline), never us
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 
+from .formats import detect
 from .formats.bitnest import TOKENIZER_FILES
 
 # What each format needs from a repo (huggingface_hub allow_patterns).
@@ -42,24 +42,6 @@ def split_revision(text: str) -> tuple[str, str | None]:
     return repo, revision or None
 
 
-def detect_format(path: str | Path) -> str | None:
-    """ "bitnest" (a bitnest manifest), "dsv4" (config.json model_type deepseek_v4) or None.
-
-    Cheap (a few small files), since mlx-lm's loader asks it about every model it loads.
-    """
-    from .formats import bitnest
-
-    if bitnest.is_package(path):
-        return "bitnest"
-    try:
-        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return (
-        "dsv4" if isinstance(config, dict) and config.get("model_type") == "deepseek_v4" else None
-    )
-
-
 def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -75,7 +57,7 @@ def resolve(path_or_repo: str | Path) -> Path:
         raise ModelNotFound(f"{text}: no such directory (and not a Hub id of the form org/repo)")
     where = f"{repo}@{revision}" if revision else repo
     snapshot = _download(repo, revision, _PROBE, where)
-    fmt = detect_format(snapshot)
+    fmt = detect(snapshot)
     if fmt is None:
         raise HubError(
             f"{where}: neither a bitnest package (no bitnest.json) nor a DeepSeek-V4 bundle "

@@ -4,9 +4,10 @@ Each kernel's body lives in `bitnest_mlx/metal_kernels/<file>.metal` (helpers in
 and is built into an `mx.fast.metal_kernel` once per process. Every public function here plans a
 launch (`Launch`: inputs, template, grid, output shapes) and hands it to a runner: on Metal the
 real kernel; in the test suite the CPU emulator (tests/metal_emu), which compiles the exact
-source MLX generates. Layers ask `use(name)` before routing here; it is true only on Metal, when
-`BITNEST_MLX_KERNELS` is not "0", and after that kernel's first-use self-test against the pure
-path passed (on a mismatch it warns once and the pure path is used for the rest of the process).
+source MLX generates. Layers ask `use(name, self_test)` before routing here; it is true only on
+Metal, when `BITNEST_MLX_KERNELS` is not "0", and after the layer's first-use self-test (its kernel
+against its own pure path, passed in by the layer: this module knows no layer) passed. On a
+mismatch it warns once and the pure path is used for the rest of the process.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from importlib import resources
 
 import mlx.core as mx
 
-GROUP = 128  # dual-plane weight scale group (package spec §2)
+from .formats.bitnest.numerics import GROUP_SIZE
+
 MAX_M = 8  # dual-plane small-M limit: decode (1) and γ+1 verification
 KV_NSG = 4  # simdgroups per threadgroup in the attention read
 KV_MAX_ROWS = 1024  # QN · D floats per simdgroup in threadgroup memory (16 KB for 4 simdgroups)
@@ -135,23 +137,10 @@ def metal_runner(launch: Launch, verbose: bool = False) -> list[mx.array]:
 # ---------------------------------------------------------------- dual-plane matmul (+ A8)
 
 
-def a8_scale(x: mx.array, group: int = -1) -> mx.array:
-    """The A8 scale of `a8` (amax/127, 1 where amax == 0), float32: [..., 1] or [..., K/group].
-
-    Computed once and passed to every `dual_plane_matmul` that reads the same x (q/k/v).
-    """
-    xf = x.astype(mx.float32)
-    if group > 0:
-        xf = xf.reshape(*x.shape[:-1], x.shape[-1] // group, group)
-    amax = mx.abs(xf).max(axis=-1)
-    scale = mx.where(amax == 0, 1.0, amax / 127.0)
-    return scale if group > 0 else scale[..., None]
-
-
 def dual_plane_supported(x: mx.array, hi: mx.array) -> bool:
     rows = math.prod(x.shape[:-1])
     k = x.shape[-1]
-    return 1 <= rows <= MAX_M and k % GROUP == 0 and hi.shape[-1] * 8 == k
+    return 1 <= rows <= MAX_M and k % GROUP_SIZE == 0 and hi.shape[-1] * 8 == k
 
 
 def dual_plane_matmul(
@@ -166,15 +155,15 @@ def dual_plane_matmul(
 ) -> mx.array:
     """x [..., K] (at most 8 rows) -> [..., N]: x·W4ᵀ (draft) or x·W8ᵀ (target) in one pass.
 
-    With `a_scale` (from `a8_scale(x)` or `a8_scale(x, 128)`) x is quantized inside the kernel;
-    the result equals `DualPlaneLinear(a8(x))` of the pure path up to float rounding.
+    With `a_scale` (`numerics.a8_scale(x)` or `a8_scale(x, 128)`) x is quantized inside the kernel;
+    the result equals the pure path on `a8(x)` up to float rounding.
     """
     k = x.shape[-1]
     n = hi.shape[0]
     m = math.prod(x.shape[:-1])
     dtype = scales.dtype
     xs = x.reshape(m, k).astype(dtype)
-    per_group = a_scale is not None and a_scale.shape[-1] == k // GROUP and k // GROUP > 1
+    per_group = a_scale is not None and a_scale.shape[-1] == k // GROUP_SIZE and k // GROUP_SIZE > 1
     if a_scale is None:
         ascale = mx.ones((m, 1), dtype=mx.float32)
     else:
@@ -344,12 +333,16 @@ def _metal() -> bool:
     return mx.metal.is_available() and os.environ.get("BITNEST_MLX_KERNELS", "1") != "0"
 
 
-def use(name: str) -> bool:
-    """Should the layer named `name` route to its kernel? Runs the self-test at first use."""
+SelfTest = Callable[[Runner | None], tuple[mx.array, mx.array]]
+
+
+def use(name: str, self_test: SelfTest) -> bool:
+    """Should the layer route to kernel `name`? At first use runs `self_test` (from the layer:
+    kernel output via the runner it is given vs the layer's pure path) and remembers the verdict."""
     if not _metal():
         return False
     if name not in _state.status:
-        _state.status[name] = _self_test(name)
+        _state.status[name] = check(self_test)
         if _state.status[name] != "ok":
             warnings.warn(
                 f"bitnest_mlx: Metal kernel {name!r} failed its self-test "
@@ -378,74 +371,13 @@ def report() -> dict:
     }
 
 
-def _self_test(name: str, runner: Runner | None = None) -> str:
-    """Tiny kernel-vs-pure comparison; "ok" or the reason for falling back."""
+def check(self_test: SelfTest, runner: Runner | None = None) -> str:
+    """Run a layer's kernel-vs-pure comparison; "ok" or the reason for falling back."""
     try:
-        got, want = SELF_TESTS[name](runner)
+        got, want = self_test(runner)
         mx.eval(got, want)
         err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
         tol = 1e-3 * max(1.0, mx.abs(want.astype(mx.float32)).max().item())
         return "ok" if err <= tol else f"max error {err:.3g} > {tol:.3g}"
     except Exception as e:  # a compile error on some Metal version must not break generation
         return f"{type(e).__name__}: {e}"
-
-
-def _check_dual_plane(runner: Runner | None):
-    from .layers.dual_plane import DualPlaneLinear, a8
-
-    key = mx.random.key(1)
-    k1, k2, k3 = mx.random.split(key, 3)
-    lin = DualPlaneLinear(256, 12)
-    lin.hi = mx.random.randint(0, 2**31, (12, 32), key=k1).astype(mx.uint32)
-    lin.lo = mx.random.randint(0, 2**31, (12, 32), key=k2).astype(mx.uint32)
-    lin.scales = mx.full((12, 2), 0.01)
-    lin.biases = -8 * lin.scales
-    x = mx.random.normal((3, 256), key=k3)
-    got = dual_plane_matmul(
-        x, lin.hi, lin.lo, lin.scales, draft=False, a_scale=a8_scale(x), runner=runner
-    )
-    return got, lin._pure(a8(x), draft=False)
-
-
-def _check_nested_kv(runner: Runner | None):
-    from .layers.nested_kv import nest_dequantize, nest_quantize
-
-    k1, k2, k3 = mx.random.split(mx.random.key(2), 3)
-    q = mx.random.normal((1, 4, 1, 64), key=k1)
-    kp = nest_quantize(mx.random.normal((1, 2, 5, 64), key=k2), 64)
-    vp = nest_quantize(mx.random.normal((1, 2, 5, 64), key=k3), 64)
-    got = nested_kv_attention(q, kp, vp, draft=False, scale=0.125, group=64, runner=runner)
-    k, v = nest_dequantize(*kp, 64, False), nest_dequantize(*vp, 64, False)
-    return got, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125)
-
-
-def _check_mxtq(runner: Runner | None):
-    from .layers.mxtq_linear import MXTQSwitchLinear
-
-    k1, k2, k3 = mx.random.split(mx.random.key(3), 3)
-    sw = MXTQSwitchLinear(128, 10, 3, bits=2)
-    sw.tq_packed = mx.random.randint(0, 2**31, (3, 10, 8), key=k1).astype(mx.uint32)
-    sw.tq_norms = mx.random.uniform(0.5, 1.5, (3, 10), key=k2).astype(mx.float16)
-    x = mx.random.normal((2, 1, 1, 128), key=k3)
-    idx = mx.array([[0, 2], [1, 1]], dtype=mx.uint32)
-    xr = x[:, :, 0, :]
-    got = mxtq_gather_matvec(xr, idx, sw.tq_packed, sw.tq_norms, sw._codebook, 2, runner)
-    want = sw._pure_apply(x, idx)[..., 0, :]
-    return got, want
-
-
-def _check_hadamard(runner: Runner | None):
-    from .layers.mxtq_linear import rotate_input
-
-    k1, k2 = mx.random.split(mx.random.key(4))
-    x = mx.random.normal((2, 256), key=k1)
-    s = mx.where(mx.random.uniform(shape=(256,), key=k2) < 0.5, -1.0, 1.0)
-    return hadamard_rotate(x, s, runner), rotate_input(x, s)
-
-
-SELF_TESTS = {
-    "dual_plane": _check_dual_plane,
-    "nested_kv": _check_nested_kv,
-    "mxtq_gather": _check_mxtq,
-    "hadamard": _check_hadamard,
-}

@@ -5,9 +5,9 @@ mlx-lm resolves `config["model_type"]` to the module `mlx_lm.models.<type>`. The
 imports one of these modules, so any process sees bitnest models without importing us:
 
 * `mlx_lm.models.bitnest` / `mlx_lm.models.deepseek_v4`: made from our model classes.
-* `mlx_lm.utils` (patched right after it runs): `load_model` gives a bitnest package's manifest
-  fields to mlx-lm's own loader (via `model_config`) and builds DeepSeek-V4 bundles with
-  `bitnest_mlx.dsv4`; `load_tokenizer` keeps transformers off the package's config.json; `load`
+* `mlx_lm.utils` (patched right after it runs): `load_model` builds our formats with
+  `bitnest_mlx.loader` (the same validated model `bitnest_mlx.load` gives);
+  `load_tokenizer` keeps transformers off the package's config.json; `load`
   understands `PATH#draft`: the draft reading (W4/KV4) of the bitnest target loaded from PATH,
   over the same arrays.
 * `mlx_lm.generate` (patched right after it runs): `speculative_generate_step` runs bitnest's
@@ -23,11 +23,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
-import json
 import sys
 import warnings
 import weakref
-from dataclasses import asdict
 from importlib.abc import Loader
 from importlib.machinery import ModuleSpec, PathFinder
 from pathlib import Path
@@ -36,27 +34,21 @@ from types import ModuleType
 import mlx.core as mx
 import mlx.nn as nn
 
-from .hub import detect_format
+from .formats import detect
 
 # Nothing here may import mlx_lm at module level: the startup hook imports this module while
 # mlx-lm is being imported. Model code is imported when first needed.
 
 DRAFT_SUFFIX = "#draft"
-# ModelArgs fields that come from the manifest rather than config.json.
-_MANIFEST_FIELDS = ("biased", "r4", "o_proj_group", "kv_group", "r3")
 
 
 @functools.cache
 def _bitnest_classes() -> tuple[type, type]:
     """(Model, ModelArgs) of `mlx_lm.models.bitnest`: the bitnest model in `default_dtype()`."""
-    import mlx_lm.models.cache
-
-    from . import default_dtype
-    from .layers.nested_kv import NestedKVCache
+    from .loader import default_dtype
     from .models import bitnest_llama
 
-    # load_prompt_cache looks cache classes up by name in mlx_lm.models.cache.
-    mlx_lm.models.cache.NestedKVCache = NestedKVCache
+    _register_cache()
 
     class Model(bitnest_llama.Model):
         def __init__(self, args: bitnest_llama.ModelArgs):
@@ -66,10 +58,18 @@ def _bitnest_classes() -> tuple[type, type]:
     return Model, bitnest_llama.ModelArgs
 
 
-def _is_bitnest(model: object) -> bool:
-    from .models import bitnest_llama
+@functools.cache
+def _register_cache() -> None:
+    """load_prompt_cache looks cache classes up by name in mlx_lm.models.cache."""
+    import mlx_lm.models.cache
 
-    return isinstance(model, bitnest_llama.Model)
+    from .layers.nested_kv import NestedKVCache
+
+    mlx_lm.models.cache.NestedKVCache = NestedKVCache
+
+
+def _supports_draft(model: object) -> bool:
+    return getattr(model, "supports_draft", False)
 
 
 class DraftView(nn.Module):
@@ -101,17 +101,6 @@ def split_draft(path_or_repo: str) -> tuple[str, bool]:
     if text.endswith(DRAFT_SUFFIX):
         return text[: -len(DRAFT_SUFFIX)], True
     return text, False
-
-
-def manifest_args(path: Path) -> dict:
-    """The ModelArgs fields of a bitnest package that only its manifest knows."""
-    from .formats import bitnest
-    from .models import bitnest_llama
-
-    manifest = json.loads(bitnest.find_manifest(path).read_text(encoding="utf-8"))
-    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    args = asdict(bitnest_llama.args_from_package(manifest, config))
-    return {k: args[k] for k in _MANIFEST_FIELDS}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,7 +184,7 @@ def _mark(fn):
 
 def _local_format(path) -> str | None:
     path = Path(path)
-    return detect_format(path) if path.is_dir() else None
+    return detect(path) if path.is_dir() else None
 
 
 # Targets loaded through mlx-lm: key -> (weakref to model, tokenizer, config). Lets `PATH#draft`
@@ -220,15 +209,15 @@ def patch_utils(utils: ModuleType) -> None:
     @_mark
     @functools.wraps(orig_load_model)
     def load_model(model_path, lazy=False, strict=True, model_config=None, *args, **kwargs):
-        fmt = _local_format(model_path)
-        if fmt == "bitnest":
-            # mlx-lm builds it (config.json -> ModelArgs, sanitize, strict load); the manifest
-            # fields travel in model_config, which mlx-lm merges into the config.
-            extra = {**manifest_args(Path(model_path)), **(model_config or {})}
-            return orig_load_model(model_path, lazy, strict, extra, *args, **kwargs)
-        if fmt == "dsv4":
-            return _load_dsv4(utils, Path(model_path), lazy, model_config)
-        return orig_load_model(model_path, lazy, strict, model_config, *args, **kwargs)
+        if _local_format(model_path) is None:
+            return orig_load_model(model_path, lazy, strict, model_config, *args, **kwargs)
+        from .loader import load_model as load_ours
+
+        _register_cache()
+        model = load_ours(model_path)  # validated, weights evaluated (lazy does not apply)
+        config = utils.load_config(Path(model_path))
+        config.update(model_config or {})
+        return model, config
 
     @_mark
     @functools.wraps(orig_load_tokenizer)
@@ -236,10 +225,10 @@ def patch_utils(utils: ModuleType) -> None:
         if _local_format(model_path) is not None:
             # transformers cannot parse these config.json files (unknown model_type, llama3
             # rope scaling); an empty config stops AutoTokenizer from reading it.
-            from . import _tokenizer_config
+            from .loader import tokenizer_config
 
             tokenizer_config_extra = {
-                "config": _tokenizer_config(),
+                "config": tokenizer_config(),
                 **(tokenizer_config_extra or {}),
             }
         return orig_load_tokenizer(model_path, tokenizer_config_extra, *args, **kwargs)
@@ -252,32 +241,19 @@ def patch_utils(utils: ModuleType) -> None:
             model, tokenizer, config = orig_load(
                 path_or_hf_repo, *args, return_config=True, **kwargs
             )
-            if _is_bitnest(model):
+            if _supports_draft(model):
                 _TARGETS[_key(base)] = (weakref.ref(model), tokenizer, config)
             return (model, tokenizer, config) if return_config else (model, tokenizer)
         ref, tokenizer, config = _TARGETS.get(_key(base), (lambda: None, None, None))
         target = ref()
         if target is None:  # no live target for PATH: load it once, here
             target, tokenizer, config = load(base, *args, return_config=True, **kwargs)
-        if not _is_bitnest(target):
+        if not _supports_draft(target):
             raise ValueError(f"{path_or_hf_repo}: {DRAFT_SUFFIX} needs a bitnest package")
         view = DraftView(target)
         return (view, tokenizer, config) if return_config else (view, tokenizer)
 
     utils.load_model, utils.load_tokenizer, utils.load = load_model, load_tokenizer, load
-
-
-def _load_dsv4(utils: ModuleType, path: Path, lazy: bool, model_config: dict | None):
-    try:
-        from . import dsv4
-    except ImportError as e:
-        raise ValueError(f"{path}: DeepSeek-V4 bundles need bitnest_mlx.dsv4 ({e})") from e
-    model, _ = dsv4.load_bundle(path)
-    config = utils.load_config(path)
-    config.update(model_config or {})
-    if not lazy:
-        mx.eval(model.parameters())
-    return model, config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,7 +336,7 @@ def as_bitnest_sampler(sampler):
     """
     from mlx_lm.sample_utils import greedy_sampler
 
-    from .speculative import Sampler
+    from .sampling import Sampler
 
     if sampler is None or sampler is greedy_sampler:
         return Sampler()

@@ -22,92 +22,12 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .layers.options import RunOptions
+from .sampling import Sampler, make_sampler, speculative_sample
+
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
-
-
-@dataclass(frozen=True)
-class Sampler:
-    """Temperature / top-p / min-p / top-k as one logits -> log-probabilities map.
-
-    The same map is applied to draft and target logits, which rejection sampling needs to be
-    lossless. Filters run on the T = 1 log-probabilities and temperature is applied last,
-    in mlx-lm's order, so the distribution equals `mlx_lm.sample_utils.make_sampler`'s.
-    Calling the object samples a token from log-probabilities, like an mlx-lm sampler.
-    """
-
-    temp: float = 0.0
-    top_p: float = 0.0
-    min_p: float = 0.0
-    min_tokens_to_keep: int = 1
-    top_k: int = 0
-
-    def logprobs(self, logits: mx.array) -> mx.array:
-        """logits [..., V] -> log-probabilities of the sampling distribution (float32)."""
-        logits = logits.astype(mx.float32)
-        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if self.temp == 0:
-            # Greedy as a one-hot distribution: rejection sampling then reduces to exact match.
-            # argmax of the log-probabilities, as mlx-lm's greedy sampler (same tie-breaking).
-            hot = mx.arange(lp.shape[-1]) == mx.argmax(lp, axis=-1, keepdims=True)
-            return mx.where(hot, 0.0, -mx.inf)
-        if 0 < self.top_p < 1:
-            lp = apply_top_p(lp, self.top_p)
-        if self.min_p > 0:
-            lp = apply_min_p(lp, self.min_p, self.min_tokens_to_keep)
-        if 0 < self.top_k < lp.shape[-1]:
-            lp = apply_top_k(lp, self.top_k)
-        lp = lp / self.temp
-        return lp - mx.logsumexp(lp, axis=-1, keepdims=True)
-
-    def sample(self, logprobs: mx.array) -> mx.array:
-        """Draw from `logprobs` as returned by `logprobs()` (argmax when greedy)."""
-        if self.temp == 0:
-            return mx.argmax(logprobs, axis=-1)
-        return mx.random.categorical(logprobs)
-
-    def __call__(self, logprobs: mx.array) -> mx.array:
-        return self.sample(self.logprobs(logprobs))
-
-
-def make_sampler(
-    temp: float = 0.0,
-    top_p: float = 0.0,
-    min_p: float = 0.0,
-    min_tokens_to_keep: int = 1,
-    top_k: int = 0,
-) -> Sampler:
-    """`mlx_lm.sample_utils.make_sampler`'s signature (without XTC), usable for speculation."""
-    return Sampler(temp, top_p, min_p, min_tokens_to_keep, top_k)
-
-
-def speculative_sample(
-    drafts: mx.array, q_logprobs: mx.array, p_logprobs: mx.array
-) -> tuple[mx.array, mx.array]:
-    """Accept a prefix of the drafts and draw the next token; lossless w.r.t. the target.
-
-    drafts [..., γ] (drawn from q), q_logprobs [..., γ, V] (draft), p_logprobs [..., γ+1, V]
-    (target), both already processed by the same `Sampler.logprobs`. Leading axes are
-    independent samples. Returns (n accepted [...], next token [...]): draft i is accepted with
-    probability min(1, p/q); at the first rejection the token is drawn from norm(max(0, p - q)),
-    and when all γ are accepted it is the bonus token drawn from the last target row.
-    """
-    gamma = drafts.shape[-1]
-    p, q = mx.exp(p_logprobs.astype(mx.float32)), mx.exp(q_logprobs.astype(mx.float32))
-    idx = drafts[..., None]
-    p_d = mx.take_along_axis(p[..., :gamma, :], idx, axis=-1)[..., 0]
-    q_d = mx.take_along_axis(q, idx, axis=-1)[..., 0]
-    # u < p/q without dividing: q_d > 0 since d was drawn from q.
-    accept = mx.random.uniform(shape=drafts.shape) * q_d < p_d
-    n = mx.cumprod(accept.astype(mx.int32), axis=-1).sum(axis=-1)
-    residual = mx.maximum(p[..., :gamma, :] - q, 0.0)
-    # p == q leaves no residual mass; a rejection then has probability 0, any row will do.
-    residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p[..., :gamma, :])
-    rows = mx.concatenate([residual, p[..., gamma:, :]], axis=-2)
-    row = mx.take_along_axis(rows, n[..., None, None], axis=-2)[..., 0, :]
-    return n, mx.random.categorical(mx.log(row))
 
 
 @dataclass
@@ -225,6 +145,7 @@ def draft(
     sampler: Sampler,
     history: mx.array | None = None,
     processors: Sequence[LogitsProcessor] = (),
+    options: RunOptions | None = None,
 ) -> tuple[mx.array, mx.array]:
     """γ draft steps from token y [1]: writes cache positions P..P+γ-1 (W4, KV4 reads).
 
@@ -232,7 +153,7 @@ def draft(
     """
     tokens, q_rows, x = [], [], y
     for _ in range(gamma):
-        logits = model(x[None], cache, "draft")[0, -1:]
+        logits = model(x[None], cache, "draft", options=options)[0, -1:]
         if processors:
             logits = _apply_processors(processors, mx.concatenate([history, *tokens]), logits)
         q_rows.append(sampler.logprobs(logits))
@@ -251,6 +172,7 @@ def verify(
     history: mx.array | None = None,
     processors: Sequence[LogitsProcessor] = (),
     parity: bool = False,
+    options: RunOptions | None = None,
 ) -> mx.array:
     """Rewind the draft's γ writes, then one target pass over [y, drafts] (W8, KV8 reads).
 
@@ -263,9 +185,10 @@ def verify(
         c.trim(drafts.size)
     tokens = mx.concatenate([y, drafts])
     if parity:
-        logits = mx.concatenate([model(t.reshape(1, 1), cache, "target")[0] for t in tokens])
+        rows = [model(t.reshape(1, 1), cache, "target", options=options)[0] for t in tokens]
+        logits = mx.concatenate(rows)
     else:
-        logits = model(tokens[None], cache, "target")[0]
+        logits = model(tokens[None], cache, "target", options=options)[0]
     if processors:
         rows = [
             _apply_processors(processors, mx.concatenate([history, drafts[:i]]), row[None])
@@ -295,24 +218,27 @@ def speculative_generate_step(
     stats: SpeculativeStats | None = None,
     prompt_cache: list | None = None,
     prefill_step_size: int = 512,
+    options: RunOptions | None = None,
 ) -> Generator[tuple[int, mx.array, bool], None, None]:
     """Yield (token, target log-probabilities [V], from_draft) like mlx-lm's generator.
 
     `model` is a bitnest Model (calls take mode="draft" / "target"). `num_draft_tokens` is the
     maximum γ (0 = target-only); `fallback=False` never chooses γ = 0, forcing speculation;
-    `adaptive=False` always drafts `num_draft_tokens`; `parity=True` see `verify`.
+    `adaptive=False` always drafts `num_draft_tokens`; `parity=True` see `verify`. `options`
+    (RunOptions; its mode is set per call) default to the model's own.
     `max_tokens < 0` means no limit.
     """
     sampler = sampler or Sampler()
     processors = list(logits_processors or [])
     stats = stats if stats is not None else SpeculativeStats()
-    cache = prompt_cache if prompt_cache is not None else model.make_cache()
+    cache = prompt_cache if prompt_cache is not None else model.make_cache(options)
     control = DraftLengthController(num_draft_tokens, fallback)
     history = prompt
 
     # Prefill prompt[:-1] with the target; the last prompt token starts the first round.
     for i in range(0, prompt.size - 1, prefill_step_size):
-        model(prompt[None, i : min(i + prefill_step_size, prompt.size - 1)], cache, "target")
+        chunk = prompt[None, i : min(i + prefill_step_size, prompt.size - 1)]
+        model(chunk, cache, "target", options=options)
         mx.eval([c.state for c in cache])
     y = prompt[-1:]
 
@@ -323,13 +249,13 @@ def speculative_generate_step(
             gamma = min(gamma, max_tokens - produced - 1)
 
         tic = time.perf_counter()
-        drafts, q = draft(model, cache, y, gamma, sampler, history, processors)
+        drafts, q = draft(model, cache, y, gamma, sampler, history, processors, options)
         if gamma:
             mx.eval(drafts, q)
         draft_s = time.perf_counter() - tic
 
         tic = time.perf_counter()
-        logits = verify(model, cache, y, drafts, history, processors, parity)
+        logits = verify(model, cache, y, drafts, history, processors, parity, options)
         if gamma:
             n, token = speculative_sample(drafts, q, sampler.logprobs(logits))
         else:  # target-only step: what speculative_sample does for γ = 0, with fewer ops

@@ -36,8 +36,8 @@ import bitnest_mlx
 from bitnest_mlx.convert import convert
 from bitnest_mlx.convert.rotation import rotate
 from bitnest_mlx.convert.sources import Source, load_gguf
-from bitnest_mlx.eval import evaluate, window_nll, windows
-from bitnest_mlx.formats.bitnest import fold_norms
+from bitnest_mlx.evaluation import evaluate, window_nll, windows
+from bitnest_mlx.convert import fold_norms
 
 SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 GGUF = "qwen2.5-coder-0.5b-instruct.gguf"
@@ -82,7 +82,7 @@ PACKAGES = {  # label: (package directory, convert() options beside the defaults
 
 
 def license_text(name: str) -> str:
-    """As the baselines in shared/research/real_model_baselines.md: form feeds removed, no other
+    """As the baselines in docs/real-model-reference.md §4: form feeds removed, no other
     cleaning (hard line wraps kept)."""
     return Path("/usr/share/common-licenses", name).read_text(encoding="utf-8").replace("\f", "")
 

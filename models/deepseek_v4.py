@@ -5,7 +5,10 @@ the official checkpoint names (`layers.L.attn.wq_a.weight`, ...) with routed exp
 `layers.L.ffn.switch_mlp.{gate,up,down}_proj`, so a loader only renames and stacks.
 
 Every call continues from the cache: a full prefill, a chunk, one decode token or a γ+1-token
-verification are the same code path, and `DSV4Cache.trim(k)` rolls back exactly (see the cache).
+verification are the same code path, and `DSV4Cache.trim(k)` rolls back exactly
+(bitnest_mlx/layers/dsv4_cache.py). This file is the architecture; the compressed-attention
+branch is models/deepseek_v4_attention.py and the QAT roundings and partial RoPE, which are not
+specific to it, are bitnest_mlx/layers/dsv4_ops.py.
 """
 
 from __future__ import annotations
@@ -16,8 +19,12 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import BaseModelArgs
-from mlx_lm.models.rope_utils import YarnRoPE
 from mlx_lm.models.switch_layers import SwitchLinear
+
+from bitnest_mlx.layers.dsv4_cache import DSV4Cache
+from bitnest_mlx.layers.dsv4_ops import PartialRoPE, fp8_fake_quant
+
+from .deepseek_v4_attention import Compressor, Indexer
 
 
 @dataclass
@@ -74,65 +81,10 @@ class ModelArgs(BaseModelArgs):
 # ---------------------------------------------------------------- small pieces
 
 
-class PartialRoPE(nn.Module):
-    """Interleaved RoPE on the *last* `dims` channels (DSV4 heads are [nope | rope]).
-
-    YaRN frequencies without the attention temperature: the reference rotates by unit-modulus
-    factors, so mscale is pinned to 1. A plain table is YaRN with factor 1.
-    """
-
-    def __init__(self, dims: int, base: float, yarn: dict | None):
-        super().__init__()
-        yarn = yarn or {}
-        self.dims = dims
-        self.rope = YarnRoPE(
-            dims,
-            traditional=True,
-            base=base,
-            scaling_factor=yarn.get("factor", 1.0),
-            original_max_position_embeddings=yarn.get("original_max_position_embeddings", 4096),
-            beta_fast=yarn.get("beta_fast", 32),
-            beta_slow=yarn.get("beta_slow", 1),
-            mscale=1,
-            mscale_all_dim=1,
-        )
-
-    def __call__(self, x: mx.array, offset: int, scale: float = 1.0, inverse: bool = False):
-        """x [..., T, D]: row i is rotated at position (offset + i) · scale."""
-        rot = self.rope(x[..., -self.dims :], offset=offset, scale=scale, inverse=inverse)
-        return mx.concatenate([x[..., : -self.dims], rot], axis=-1)
-
-
 def _yarn_config(args: ModelArgs) -> dict | None:
     params = args.rope_parameters or args.rope_scaling or {}
     kind = params.get("rope_type", params.get("type", "default"))
     return params if kind == "yarn" else None
-
-
-def fp8_fake_quant(x: mx.array, block: int = 64) -> mx.array:
-    """QAT simulation of the reference's FP8 e4m3 activations (power-of-two block scales)."""
-    xb = x.reshape(*x.shape[:-1], x.shape[-1] // block, block).astype(mx.float32)
-    amax = mx.maximum(mx.abs(xb).max(axis=-1, keepdims=True), 1e-4)
-    scale = mx.power(2.0, mx.ceil(mx.log2(amax / 448.0)))
-    q = mx.from_fp8(mx.to_fp8(mx.clip(xb / scale, -448.0, 448.0)), mx.float32) * scale
-    return q.reshape(x.shape).astype(x.dtype)
-
-
-def fp4_fake_quant(x: mx.array, block: int = 32) -> mx.array:
-    """QAT simulation of FP4 e2m1 (grid 0, .5, 1, 1.5, 2, 3, 4, 6; round half to even)."""
-    xb = x.reshape(*x.shape[:-1], x.shape[-1] // block, block).astype(mx.float32)
-    amax = mx.maximum(mx.abs(xb).max(axis=-1, keepdims=True), 6.0 * 2.0**-126)
-    scale = mx.power(2.0, mx.ceil(mx.log2(amax / 6.0)))
-    y = mx.minimum(mx.abs(xb / scale), 6.0)
-    # e2m1 spacing is 0.5 below 2, 1 below 4 and 2 up to 6; mx.round rounds half to even.
-    step = mx.where(y < 2.0, 0.5, mx.where(y < 4.0, 1.0, 2.0))
-    q = mx.sign(xb) * mx.round(y / step) * step * scale
-    return q.reshape(x.shape).astype(x.dtype)
-
-
-def hadamard_fp4(x: mx.array) -> mx.array:
-    """Indexer QAT: orthonormal Walsh-Hadamard rotation, then FP4 (only the FP4 changes q·k)."""
-    return fp4_fake_quant(mx.hadamard_transform(x.astype(mx.float32)))
 
 
 def swiglu_clamped(gate: mx.array, up: mx.array, limit: float) -> mx.array:
@@ -142,195 +94,7 @@ def swiglu_clamped(gate: mx.array, up: mx.array, limit: float) -> mx.array:
     return nn.silu(gate) * up
 
 
-# ---------------------------------------------------------------- cache
-
-
-class _Pool:
-    """One compressor's state: raw (kv, gate + ape) rows and the compressed entries so far.
-
-    Entries are immutable once their block is complete, so rollback keeps floor(p/ratio) of
-    them; the raw rows of the pending block (and, at ratio 4, the block before it, whose first
-    half feeds the next entry) rebuild it exactly.
-    """
-
-    def __init__(self, ratio: int, overlap: bool):
-        self.ratio, self.overlap = ratio, overlap
-        self.kv = self.gate = self.entries = None
-        self.start = 0  # position of raw row 0
-
-    @property
-    def num_entries(self) -> int:
-        return 0 if self.entries is None else self.entries.shape[1]
-
-    def keep_from(self, floor: int) -> None:
-        start = max(0, (floor // self.ratio - int(self.overlap)) * self.ratio)
-        if self.kv is not None and start > self.start:
-            cut = start - self.start
-            self.kv, self.gate, self.start = self.kv[:, cut:], self.gate[:, cut:], start
-
-    def trim_to(self, offset: int) -> None:
-        if self.kv is not None:
-            keep = offset - self.start
-            self.kv, self.gate = self.kv[:, :keep], self.gate[:, :keep]
-        if self.entries is not None:
-            self.entries = self.entries[:, : offset // self.ratio]
-
-
-class DSV4Cache:
-    """Per-layer state with exact rollback of up to `max_rollback` tokens.
-
-    Holds the last window - 1 + max_rollback K=V rows, the compressed entries and the raw rows
-    a pending compressor block needs. Nothing is a running nonlinear state, so `trim(k)` only
-    drops rows and entries. Rolling back past what was kept is an error, never an approximation.
-    """
-
-    def __init__(self, window: int, ratio: int, max_rollback: int = 32):
-        self.window, self.ratio, self.max_rollback = window, ratio, max_rollback
-        self.offset = 0
-        self.floor = 0  # the earliest offset `trim` can return to
-        self.keys = None  # [B, 1, n, head_dim] window rows from position keys_start
-        self.keys_start = 0
-        self.pools: dict[str, _Pool] = {}
-        if ratio:
-            self.pools["compressor"] = _Pool(ratio, overlap=ratio == 4)
-        if ratio == 4:
-            self.pools["indexer"] = _Pool(ratio, overlap=True)
-
-    def append_keys(self, kv: mx.array) -> mx.array:
-        self.keys = kv if self.keys is None else mx.concatenate([self.keys, kv], axis=2)
-        return self.keys
-
-    def advance(self, n: int) -> None:
-        """Called once the layer has consumed n tokens: move on and drop unneeded history."""
-        self.offset += n
-        self.floor = max(self.floor, self.offset - self.max_rollback)
-        start = max(0, self.floor - self.window + 1)
-        if start > self.keys_start:
-            self.keys = self.keys[:, :, start - self.keys_start :]
-            self.keys_start = start
-        for pool in self.pools.values():
-            pool.keep_from(self.floor)
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        if self.offset - n < self.floor:
-            raise ValueError(
-                f"cannot roll back {n} tokens from offset {self.offset}: history kept down to "
-                f"offset {self.floor} (max_rollback={self.max_rollback})"
-            )
-        self.offset -= n
-        if self.keys is not None:
-            self.keys = self.keys[:, :, : self.offset - self.keys_start]
-        for pool in self.pools.values():
-            pool.trim_to(self.offset)
-        return n
-
-    @property
-    def state(self) -> list[mx.array]:
-        arrays = [self.keys] + [a for p in self.pools.values() for a in (p.kv, p.gate, p.entries)]
-        return [a for a in arrays if a is not None]
-
-    def empty(self) -> bool:
-        return self.keys is None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.state)
-
-
 # ---------------------------------------------------------------- attention
-
-
-class Compressor(nn.Module):
-    """Gated pooling of `ratio` rows into one entry (ratio 4: 8 overlapping rows), per channel."""
-
-    def __init__(self, args: ModelArgs, ratio: int, head_dim: int, rope: PartialRoPE):
-        super().__init__()
-        self.ratio, self.head_dim = ratio, head_dim
-        width = head_dim * (2 if ratio == 4 else 1)
-        self.wkv = nn.Linear(args.hidden_size, width, bias=False)
-        self.wgate = nn.Linear(args.hidden_size, width, bias=False)
-        self.ape = mx.zeros((ratio, width))
-        self.norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
-        self._rope = rope  # shared with the attention; not a parameter
-
-    def __call__(self, x: mx.array, pool: _Pool, offset: int) -> mx.array:
-        """Feed positions offset.. offset+L-1; return all entries so far [B, n, head_dim]."""
-        B, L, _ = x.shape
-        r = self.ratio
-        kv = self.wkv(x).astype(mx.float32)
-        gate = self.wgate(x).astype(mx.float32) + self.ape[(offset + mx.arange(L)) % r]
-        if pool.kv is None:
-            pool.kv, pool.gate, pool.start = kv, gate, offset
-        else:
-            pool.kv = mx.concatenate([pool.kv, kv], axis=1)
-            pool.gate = mx.concatenate([pool.gate, gate], axis=1)
-        first, last = pool.num_entries, (offset + L) // r
-        if last > first:
-            new = self._pool_blocks(pool, first, last)
-            pool.entries = new if pool.entries is None else mx.concatenate([pool.entries, new], 1)
-        if pool.entries is None:
-            return mx.zeros((B, 0, self.head_dim), dtype=x.dtype)
-        return pool.entries
-
-    def _pool_blocks(self, pool: _Pool, first: int, last: int) -> mx.array:
-        r, d = self.ratio, self.head_dim
-        B, m = pool.kv.shape[0], last - first
-        lo = max(first - int(pool.overlap), 0) * r - pool.start
-        kv = pool.kv[:, lo : last * r - pool.start]
-        gate = pool.gate[:, lo : last * r - pool.start]
-        kv, gate = kv.reshape(B, -1, r, kv.shape[-1]), gate.reshape(B, -1, r, gate.shape[-1])
-        if pool.overlap:
-            if first == 0:  # entry 0 has no previous block: zero rows with zero weight
-                kv = mx.concatenate([mx.zeros_like(kv[:, :1]), kv], axis=1)
-                gate = mx.concatenate([mx.full(gate[:, :1].shape, -mx.inf), gate], axis=1)
-            # Entry j pools the first half of block j-1's rows with the second half of block j's.
-            kv = mx.concatenate([kv[:, :m, :, :d], kv[:, 1:, :, d:]], axis=2)
-            gate = mx.concatenate([gate[:, :m, :, :d], gate[:, 1:, :, d:]], axis=2)
-        pooled = (mx.softmax(gate, axis=2, precise=True) * kv).sum(axis=2)
-        pooled = self.norm(pooled)
-        # Entry j is rotated at its block's first position j·ratio.
-        return self._rope(pooled[:, None], offset=first, scale=float(r))[:, 0]
-
-
-class Indexer(nn.Module):
-    """Lightning indexer: picks the top-k compressed entries per query on ratio-4 layers."""
-
-    def __init__(self, args: ModelArgs, rope: PartialRoPE):
-        super().__init__()
-        self.n_heads, self.head_dim, self.topk = (
-            args.index_n_heads,
-            args.index_head_dim,
-            args.index_topk,
-        )
-        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
-        self.compressor = Compressor(args, 4, self.head_dim, rope)
-        self._rope = rope
-
-    def __call__(
-        self, x: mx.array, qr: mx.array, pool: _Pool, offset: int, visible: mx.array, qat: bool
-    ) -> mx.array:
-        """visible [1, L, N] -> [B or 1, L, N]: the entries each query attends to."""
-        B, L, _ = x.shape
-        keys = self.compressor(x, pool, offset)
-        if keys.shape[1] <= self.topk:
-            return visible  # the top-k of at most k entries is all of them
-        q = self.wq_b(qr).reshape(B, L, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
-        q = self._rope(q, offset=offset)
-        if qat:
-            q, keys = hadamard_fp4(q), hadamard_fp4(keys)
-        scores = mx.maximum(q.astype(mx.float32) @ keys[:, None].swapaxes(-1, -2), 0)
-        w = self.weights_proj(x).astype(mx.float32) * (self.n_heads**-0.5 * self.head_dim**-0.5)
-        score = (scores * w.transpose(0, 2, 1)[..., None]).sum(axis=1)  # [B, L, N]
-        score = mx.where(visible, score, -mx.inf)
-        top = mx.argpartition(-score, self.topk - 1, axis=-1)[..., : self.topk]
-        chosen = mx.put_along_axis(
-            mx.zeros(score.shape, dtype=mx.bool_), top, mx.array(True), axis=-1
-        )
-        return chosen & visible
 
 
 class Attention(nn.Module):
@@ -359,11 +123,19 @@ class Attention(nn.Module):
         # across q/kv, their compressor and their indexer.
         if self.ratio:
             self.rope = PartialRoPE(self.rope_dims, args.compress_rope_theta, _yarn_config(args))
-            self.compressor = Compressor(args, self.ratio, self.head_dim, self.rope)
+            self.compressor = Compressor(d, self.ratio, self.head_dim, self.eps, self.rope)
         else:
             self.rope = PartialRoPE(self.rope_dims, args.rope_theta, None)
         if self.ratio == 4:
-            self.indexer = Indexer(args, self.rope)
+            self.indexer = Indexer(
+                d,
+                args.q_lora_rank,
+                args.index_n_heads,
+                args.index_head_dim,
+                args.index_topk,
+                self.eps,
+                self.rope,
+            )
 
     def _fp8_kv(self, kv: mx.array) -> mx.array:
         nope = kv[..., : -self.rope_dims]
@@ -559,6 +331,9 @@ class Model(nn.Module):
     `qat = True` turns on the reference's QAT simulation (FP8 KV, Hadamard + FP4 indexer).
     """
 
+    # One set of weights at one precision: there is no cheaper plane to draft with.
+    supports_draft = False
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -591,4 +366,4 @@ class Model(nn.Module):
         return [DSV4Cache(a.sliding_window, r, max_rollback) for r in a.compress_ratios]
 
 
-__all__ = ["ModelArgs", "Model", "DSV4Cache", "fp8_fake_quant", "fp4_fake_quant"]
+__all__ = ["ModelArgs", "Model"]

@@ -63,7 +63,7 @@ def test_roofline_counts_the_package_planes_and_scales():
 
 
 def test_bench_reports_dsv4_bundle_tok_s():
-    from bitnest_mlx.dsv4 import demo_bundle_path
+    from bitnest_mlx.demo import demo_bundle_path
 
     r = subprocess.run(
         [

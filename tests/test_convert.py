@@ -11,69 +11,13 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from factory import VOCAB, config_dict, state, tiny_dims, tiny_hf  # noqa: E402
+
+from bitnest_mlx.convert import fold_norms, write_package  # noqa: E402
 from bitnest_mlx.convert.gptq import gptq_codes, hessian  # noqa: E402
 from bitnest_mlx.convert.rotation import rotate  # noqa: E402
 from bitnest_mlx.convert.sources import load_gguf, unpermute_qk  # noqa: E402
 from bitnest_mlx.formats import bitnest  # noqa: E402
-from bitnest_mlx.formats.bitnest import fold_norms  # noqa: E402
-
-VOCAB = 300
-
-
-def tiny_dims(layers: int = 2) -> dict:
-    return dict(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=384,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=128,
-        tie_word_embeddings=False,
-        max_position_embeddings=512,
-    )
-
-
-def tiny_hf(arch: str, seed: int = 0):
-    """A tiny random transformers model with non-trivial norm weights."""
-    torch.manual_seed(seed)
-    common = tiny_dims()
-    if arch == "llama":
-        cfg = transformers.LlamaConfig(
-            **common,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 128,
-            },
-        )
-        model = transformers.LlamaForCausalLM(cfg)
-    else:
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    rng = np.random.default_rng(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(torch.tensor(rng.uniform(0.5, 1.5, p.shape), dtype=torch.float32))
-            elif name.endswith("bias"):
-                p.copy_(torch.tensor(rng.normal(0, 0.1, p.shape), dtype=torch.float32))
-    return model.eval()
-
-
-def state(model) -> dict[str, np.ndarray]:
-    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-
-
-def config_dict(model) -> dict:
-    c = model.config.to_dict()
-    c["head_dim"] = 128
-    if c.get("rope_scaling") is None and c.get("rope_parameters"):
-        params = c["rope_parameters"]
-        c["rope_theta"] = params.get("rope_theta", c.get("rope_theta", 10000.0))
-        c["rope_scaling"] = params if params.get("rope_type") not in (None, "default") else None
-    return c
 
 
 def logits(model, weights: dict[str, np.ndarray], tokens: np.ndarray) -> np.ndarray:
@@ -144,7 +88,7 @@ def test_gptq_w8_slack_bounds_the_target_error_and_still_beats_rtn(slack):
 
 
 def test_convert_cli_refuses_a_w8_slack_below_half_a_step(capsys):
-    from bitnest_mlx.convert.__main__ import build_parser
+    from bitnest_mlx.cli.convert import build_parser
 
     assert (
         build_parser().parse_args(["--gguf", "x", "--out", "y", "--w8-slack", "none"]).w8_slack
@@ -311,7 +255,7 @@ def test_sequential_gptq_beats_rtn_on_every_linear_with_its_calibration_inputs(t
             errors.setdefault(name, {})[label] = np.trace(dw @ h @ dw.T)
         return planes
 
-    bitnest.write(tmp_path, weights, config, quantize=quantize)
+    write_package(tmp_path, weights, config, quantize=quantize)
     assert len(errors) == 2 * 7 + 1  # lm_head included
     for name, e in errors.items():
         assert e["gptq"] < e["rtn"], name

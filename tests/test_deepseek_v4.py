@@ -13,9 +13,11 @@ import re
 import mlx.core as mx
 import numpy as np
 import pytest
-from bitnest_mlx.models.deepseek_v4 import Model, fp4_fake_quant, fp8_fake_quant
+from bitnest_mlx.models.deepseek_v4 import Model
 
-from bitnest_mlx.dsv4 import TINY_CONFIG, args_from_config, random_weights
+from bitnest_mlx.demo import TINY_CONFIG, random_weights
+from bitnest_mlx.dsv4 import args_from_config
+from bitnest_mlx.layers.dsv4_ops import fp4_fake_quant, fp8_fake_quant
 
 T, PREFILL, TOL = 300, 131, 1e-4  # PREFILL is not a multiple of 4: pending rows carry over
 

@@ -10,15 +10,9 @@ import numpy as np
 import pytest
 from bitnest_mlx.models.deepseek_v4 import Model
 
-from bitnest_mlx.dsv4 import (
-    DEMO_BITS,
-    TINY_CONFIG,
-    args_from_config,
-    load_bundle,
-    random_weights,
-    write_demo_bundle,
-)
-from bitnest_mlx.formats import dsv4_bundle, mxtq
+from bitnest_mlx.demo import DEMO_BITS, TINY_CONFIG, random_weights, write_demo_bundle
+from bitnest_mlx.dsv4 import args_from_config, load_bundle
+from bitnest_mlx.formats import dsv4_bundle, dsv4_bundle_write, mxtq
 from bitnest_mlx.formats.dsv4_bundle import BundleError
 from bitnest_mlx.layers.mxtq_linear import MXTQSwitchLinear
 
@@ -34,7 +28,7 @@ def weights():
 def written(tmp_path_factory, weights):
     """One quantized single-file bundle (mixed 2/4-bit experts), copied by `bundle`."""
     path = tmp_path_factory.mktemp("dsv4") / "q"
-    return dsv4_bundle.write(path, TINY_CONFIG, weights, expert_bits=DEMO_BITS, shards=1)
+    return dsv4_bundle_write.write(path, TINY_CONFIG, weights, expert_bits=DEMO_BITS, shards=1)
 
 
 @pytest.fixture
@@ -176,7 +170,7 @@ def test_quantized_bundle_generates_with_cache_and_rollback(written):
 
 
 def test_sharded_per_expert_and_prestacked_bundles_load_the_same(tmp_path, weights, written):
-    per_expert = dsv4_bundle.write(
+    per_expert = dsv4_bundle_write.write(
         tmp_path / "pe", TINY_CONFIG, weights, expert_bits=DEMO_BITS, per_expert=True, shards=3
     )
     assert (per_expert / dsv4_bundle.INDEX_FILE).is_file()
@@ -189,7 +183,9 @@ def test_sharded_per_expert_and_prestacked_bundles_load_the_same(tmp_path, weigh
 
 
 def test_float_directory_with_official_names_loads_and_matches(tmp_path, weights):
-    path = dsv4_bundle.write(tmp_path / "f", TINY_CONFIG, weights, quantize=False, per_expert=True)
+    path = dsv4_bundle_write.write(
+        tmp_path / "f", TINY_CONFIG, weights, quantize=False, per_expert=True
+    )
     keys = json.loads((path / dsv4_bundle.INDEX_FILE).read_text())["weight_map"]
     assert "layers.0.ffn.experts.0.w1.weight" in keys
     model, _ = load_bundle(path)
@@ -311,13 +307,13 @@ def test_in_features_not_divisible_by_codes_per_word_is_an_error(bundle):
 
 
 def test_per_expert_bits_must_agree_within_a_projection(tmp_path, weights):
-    path = dsv4_bundle.write(tmp_path / "pe", TINY_CONFIG, weights, per_expert=True, shards=1)
+    path = dsv4_bundle_write.write(tmp_path / "pe", TINY_CONFIG, weights, per_expert=True, shards=1)
     _edit(path, lambda t: t.update({"layers.1.ffn.experts.7.w3.tq_bits": mx.array([2], mx.int32)}))
     _fails(path, r"layers\.1\.ffn\.experts\.0\.w3\.tq_bits: experts of one projection differ")
 
 
 def test_missing_expert_is_an_error(tmp_path, weights):
-    path = dsv4_bundle.write(tmp_path / "pe", TINY_CONFIG, weights, per_expert=True, shards=1)
+    path = dsv4_bundle_write.write(tmp_path / "pe", TINY_CONFIG, weights, per_expert=True, shards=1)
     _edit(
         path,
         lambda t: [
@@ -333,7 +329,7 @@ def test_conflicting_mxtq_seeds_are_an_error(bundle):
 
 
 def test_index_naming_a_missing_shard_or_key_is_an_error(tmp_path, weights):
-    path = dsv4_bundle.write(tmp_path / "s", TINY_CONFIG, weights, shards=2)
+    path = dsv4_bundle_write.write(tmp_path / "s", TINY_CONFIG, weights, shards=2)
     index = json.loads((path / dsv4_bundle.INDEX_FILE).read_text())
     index["weight_map"]["layers.0.attn.wq_a.weight"] = "model-00002-of-00002.safetensors"
     (path / dsv4_bundle.INDEX_FILE).write_text(json.dumps(index))

@@ -11,12 +11,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_convert import VOCAB, config_dict, state, tiny_hf  # noqa: E402
+from factory import VOCAB, config_dict, state, tiny_hf  # noqa: E402
 
 import bitnest_mlx  # noqa: E402
+from bitnest_mlx.convert import write_package  # noqa: E402
 from bitnest_mlx.demo import write_tokenizer  # noqa: E402
-from bitnest_mlx.eval import evaluate  # noqa: E402
-from bitnest_mlx.formats import bitnest  # noqa: E402
+from bitnest_mlx.evaluation import evaluate  # noqa: E402
 
 TEXT = "the mill by the river turned slowly while the water ran under the old stone bridge. " * 8
 
@@ -25,7 +25,7 @@ TEXT = "the mill by the river turned slowly while the water ran under the old st
 def package(tmp_path_factory):
     model = tiny_hf("llama")
     out = tmp_path_factory.mktemp("pkg")
-    bitnest.write(out, state(model), config_dict(model))
+    write_package(out, state(model), config_dict(model))
     write_tokenizer(out)
     return model, out
 

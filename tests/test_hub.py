@@ -16,8 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from hub_server import FakeHub  # noqa: E402
 
-from bitnest_mlx.demo import demo_path, write_tokenizer  # noqa: E402
-from bitnest_mlx.dsv4 import write_demo_bundle
+from bitnest_mlx.demo import demo_path, write_demo_bundle, write_tokenizer  # noqa: E402
 from bitnest_mlx.hub import HubError, resolve  # noqa: E402
 
 

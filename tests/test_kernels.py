@@ -17,14 +17,25 @@ import mlx.core as mx
 import mlx_lm  # noqa: F401  (its bitnest hook imports the model first: avoids an import cycle)
 import numpy as np
 import pytest
+from factory import make_package
 from metal_emu import emulator, syntax
-from package_factory import make_package
 
 import bitnest_mlx
 from bitnest_mlx import kernels
-from bitnest_mlx.layers.dual_plane import DualPlaneLinear, a8
+from bitnest_mlx.formats.bitnest import a8_scale
+from bitnest_mlx.layers import dual_plane, mxtq_linear, nested_kv
+from bitnest_mlx.layers.dual_plane import DualPlaneLinear
 from bitnest_mlx.layers.mxtq_linear import MXTQSwitchLinear, rotate_input
 from bitnest_mlx.layers.nested_kv import nest_dequantize, nest_quantize
+from bitnest_mlx.layers.options import RunOptions
+
+# Each layer's first-use self-test (kernel vs its own pure path), by kernel name.
+SELF_TESTS = {
+    "dual_plane": dual_plane.kernel_self_test,
+    "nested_kv": nested_kv.kernel_self_test,
+    "mxtq_gather": mxtq_linear.gather_self_test,
+    "hadamard": mxtq_linear.hadamard_self_test,
+}
 
 needs_cxx = pytest.mark.skipif(
     shutil.which(emulator.CXX) is None, reason=f"the Metal emulator needs {emulator.CXX}"
@@ -55,13 +66,13 @@ def dual_plane_case(m, n, k, draft, act, dtype, seed):
 
     def call(runner, mutate=None):
         run = runner if mutate is None else (lambda launch: runner(launch, mutate))
-        a_scale = None if group is None else kernels.a8_scale(x, group)
+        a_scale = None if group is None else a8_scale(x, group)
         return kernels.dual_plane_matmul(
             x, lin.hi, lin.lo, lin.scales, draft=draft, a_scale=a_scale, runner=run
         )
 
-    want = lin._pure(x if group is None else a8(x, group), draft)
-    return call, want
+    pure = RunOptions("draft" if draft else "target", group is not None, use_kernels=False)
+    return call, lin(x, pure, a8_group=-1 if group is None else group)
 
 
 def nested_kv_case(b, hq, hkv, L, d, n_kv, t_cap, group, draft, dtype=mx.float32, *, seed):
@@ -100,7 +111,7 @@ def mxtq_case(bits, n_in, n_out, experts, tokens, k, shared, seed):
             x[..., 0, :], idx, sw.tq_packed, sw.tq_norms, sw._codebook, bits, run
         )
 
-    return call, sw._pure_apply(x, idx)[..., 0, :]
+    return call, sw.apply_rotated(x, idx, use_kernels=False)[..., 0, :]
 
 
 def hadamard_case(rows, d, seed):
@@ -309,8 +320,9 @@ def test_failed_self_test_warns_once_and_falls_back(monkeypatch):
 
     monkeypatch.setattr(kernels, "metal_runner", broken)
     with pytest.warns(RuntimeWarning, match="hadamard"):
-        assert kernels.use("hadamard") is False
-    assert kernels.use("hadamard") is False  # decided once: no second warning, no rerun
+        assert kernels.use("hadamard", SELF_TESTS["hadamard"]) is False
+    # Decided once: no second warning, no rerun.
+    assert kernels.use("hadamard", SELF_TESTS["hadamard"]) is False
     assert kernels.report()["hadamard"]["status"].startswith("max error")
 
 
@@ -384,5 +396,17 @@ def test_kernel_matches_pure_path_on_metal(kind, name):
 
 @on_metal
 def test_every_kernel_passes_its_self_test_on_metal():
-    for name in kernels.SELF_TESTS:
-        assert kernels._self_test(name) == "ok", name
+    for name, self_test in SELF_TESTS.items():
+        assert kernels.check(self_test) == "ok", name
+
+
+@needs_cxx
+@pytest.mark.parametrize("name", list(SELF_TESTS))
+def test_every_layer_self_test_passes_in_emulator_and_catches_its_planted_bug(name):
+    assert kernels.check(SELF_TESTS[name], emulator.run) == "ok"
+    _, old, new = MUTATIONS[name]
+
+    def broken(launch):
+        return emulator.run(launch, mutate=lambda src: src.replace(old, new))
+
+    assert kernels.check(SELF_TESTS[name], broken) != "ok"

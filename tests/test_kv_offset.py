@@ -8,10 +8,12 @@ import pytest
 
 pytest.importorskip("torch")
 
-from test_convert import VOCAB, config_dict, state, tiny_hf  # noqa: E402
+from factory import VOCAB, config_dict, state, tiny_hf  # noqa: E402
 
 import bitnest_mlx  # noqa: E402
+from bitnest_mlx.convert import write_package  # noqa: E402
 from bitnest_mlx.formats import bitnest  # noqa: E402
+from bitnest_mlx.layers.options import RunOptions  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +24,7 @@ def package(tmp_path_factory):
         b = weights[f"model.layers.{i}.self_attn.k_proj.bias"]
         b[[3, 70, 100]] = [60.0, -80.0, 100.0]
     out = tmp_path_factory.mktemp("qwen")
-    bitnest.write(out, weights, config_dict(model))
+    write_package(out, weights, config_dict(model))
     return out
 
 
@@ -31,13 +33,13 @@ def test_writer_declares_k_bias_offset_only_for_biased_k(package, tmp_path):
         json.loads((package / "bitnest.json").read_text())["kv"]["per_channel_offset"] == "k_bias"
     )
     llama = tiny_hf("llama")
-    bitnest.write(tmp_path, state(llama), config_dict(llama))
+    write_package(tmp_path, state(llama), config_dict(llama))
     assert json.loads((tmp_path / "bitnest.json").read_text())["kv"]["per_channel_offset"] == "none"
 
 
 def test_reader_refuses_k_bias_offset_without_k_bias(tmp_path):
     llama = tiny_hf("llama")
-    bitnest.write(tmp_path, state(llama), config_dict(llama))
+    write_package(tmp_path, state(llama), config_dict(llama))
     manifest = json.loads((tmp_path / "bitnest.json").read_text())
     manifest["kv"]["per_channel_offset"] = "k_bias"
     (tmp_path / "bitnest.json").write_text(json.dumps(manifest))
@@ -49,14 +51,14 @@ def test_reader_refuses_k_bias_offset_without_k_bias(tmp_path):
 def test_k_bias_offset_shrinks_kv_quantization_error(package, mode):
     with pytest.warns(UserWarning, match="no tokenizer"):
         model, _ = bitnest_mlx.load(package, dtype=mx.float32)
-    model.quantize_activations = False  # A8 code flips would blur the comparison
     tokens = mx.array(np.random.default_rng(0).integers(0, VOCAB, (1, 48)))
 
     def logits(kv: bool, offset: bool) -> np.ndarray:
-        model.quantize_kv = kv
+        # A8 off: its code flips would blur the comparison.
+        options = RunOptions(mode, quantize_activations=False, quantize_kv=kv)
         for layer in model.layers:
             layer.self_attn.k_bias_offset = offset
-        return np.array(model(tokens, mode=mode))
+        return np.array(model(tokens, options=options))
 
     exact = logits(kv=False, offset=True)
     np.testing.assert_allclose(logits(kv=False, offset=False), exact, atol=1e-4)

@@ -14,10 +14,12 @@ import pytest
 from numpy_reference import a8_codes, dequant, kv_codes, r4_matrix, unpack_codes
 
 from bitnest_mlx.formats import bitnest
+from bitnest_mlx.formats.bitnest import a8
 from bitnest_mlx.formats.hadamard import hadamard_k, r4_transform
-from bitnest_mlx.layers.dual_plane import DualPlaneLinear, a8, dense_matmul
+from bitnest_mlx.layers.dual_plane import DualPlaneLinear
 from bitnest_mlx.layers.hadamard import OnlineHadamard
 from bitnest_mlx.layers.nested_kv import NestedKVCache, nest_dequantize, nest_quantize
+from bitnest_mlx.layers.options import RunOptions
 
 F32 = np.float32
 
@@ -158,13 +160,13 @@ def test_dual_plane_linear_equals_matmul_with_dequantized_weights(draft):
     layer.load_weights([(name.removeprefix("l."), a) for name, a in params.items()])
     x = rng(8).normal(0, 1, (3, 5, k)).astype(F32)
     want = x.astype(np.float64) @ dequant(planes.hi, planes.lo, planes.scales, draft).T + bias
-    got = np.array(layer(mx.array(x), draft=draft))
+    mode = "draft" if draft else "target"
+    got = np.array(layer(mx.array(x), RunOptions(mode, quantize_activations=False)))
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
-    with (
-        dense_matmul(min_rows=8),  # 15 rows: the dense path serves the same product
-        mock.patch.object(DualPlaneLinear, "dequantized", wraps=layer.dequantized) as spy,
-    ):
-        dense = np.array(layer(mx.array(x), draft=draft))
+    # 15 rows: the dense path serves the same product.
+    dense_options = RunOptions(mode, quantize_activations=False, dense_min_rows=8)
+    with mock.patch.object(DualPlaneLinear, "dequantized", wraps=layer.dequantized) as spy:
+        dense = np.array(layer(mx.array(x), dense_options))
     spy.assert_called_once_with(draft)
     assert np.abs(dense - want).max() <= 1e-5 * np.abs(want).max()
 

@@ -31,7 +31,7 @@ def package() -> str:
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> str:
-    from bitnest_mlx.dsv4 import write_demo_bundle
+    from bitnest_mlx.demo import write_demo_bundle
 
     path = write_demo_bundle(tmp_path_factory.mktemp("dsv4") / "bundle")
     write_tokenizer(Path(path))  # byte-level: the bundle's 256 ids are the bytes
@@ -79,7 +79,7 @@ def test_mlx_lm_load_builds_bitnest_model_with_manifest_fields(mlx_lm, package):
     assert isinstance(model, Model) and model.mode == "target"
     assert "quantization" not in config
     # R4 with K = 12 on every down_proj comes from bitnest.json, not config.json.
-    assert [r["K"] for r in config["r4"]] == [12, 12]
+    assert [r["K"] for r in model.args.r4] == [12, 12]
     assert model.layers[0].mlp.r4.k == 12
 
 

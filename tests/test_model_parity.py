@@ -17,7 +17,6 @@ import json
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
@@ -26,114 +25,35 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
-from bitnest_mlx.models import bitnest_llama as runtime_model
+from factory import (
+    CASES,
+    LAYERS,
+    VOCAB,
+    Case,
+    hf_config,
+    random_source_weights,
+    writer_config,
+)
 from numpy_reference import Reference, Trace
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
 import bitnest_mlx
+from bitnest_mlx.convert import write_package
 from bitnest_mlx.demo import write_tokenizer
 from bitnest_mlx.formats import bitnest
 from bitnest_mlx.formats.hadamard import sylvester
-from bitnest_mlx.layers import nested_kv
+from bitnest_mlx.layers import dual_plane, nested_kv
+from bitnest_mlx.layers.options import RunOptions
 
 TOL = 1e-4
 TOKENS = [3, 141, 59, 265, 35, 89, 7, 93]  # 8 positions: enough for RoPE and causality to matter
-VOCAB, HIDDEN, LAYERS = 300, 256, 2
-
-# Small original context so that, at positions 0..7, most RoPE pairs fall in llama3's scaled
-# (wavelength > 32) or interpolated (8..32) bands: an ignored scaling changes the logits.
-LLAMA3_SCALING = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32,
-}
-
-
-@dataclass
-class Case:
-    arch: str
-    intermediate: int
-    r4_k: int  # the K the writer must pick for this intermediate size
-
-
-CASES = {
-    "llama-K12": Case("llama", 384, 12),  # 384 = 12 * 32: ships aux.had_K.12
-    "qwen2-K1": Case("qwen2", 512, 1),  # power of two: plain Walsh-Hadamard, no aux tensor
-}
-
-
-def hf_config(case: Case, tied: bool) -> LlamaConfig | Qwen2Config:
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=case.intermediate,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=128,
-        max_position_embeddings=256,
-        tie_word_embeddings=tied,
-        attn_implementation="eager",
-    )
-    if case.arch == "llama":
-        return LlamaConfig(
-            **common, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=LLAMA3_SCALING
-        )
-    return Qwen2Config(**common, rms_norm_eps=1e-6, rope_theta=1e6, use_sliding_window=False)
-
-
-def writer_config(case: Case) -> dict:
-    """The dims the writer needs, spelled out with top-level rope_theta / rope_scaling as HF
-    config.json files have them (the transformers 5 `to_dict()` form is tested separately)."""
-    cfg = hf_config(case, tied=True)
-    rope = dict(cfg.rope_parameters)
-    theta = rope.pop("rope_theta")
-    return {
-        "model_type": case.arch,
-        "vocab_size": VOCAB,
-        "hidden_size": HIDDEN,
-        "intermediate_size": case.intermediate,
-        "num_hidden_layers": LAYERS,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 128,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": theta,
-        "rope_scaling": rope if rope.get("rope_type") != "default" else None,
-        "max_position_embeddings": 256,
-    }
-
-
-def random_source_weights(case: Case, seed: int) -> dict[str, np.ndarray]:
-    """Seeded float32 weights with HF names. Scales chosen so logits are O(1) and attention is
-    peaked (q/k larger), so the 1e-4 tolerance is small against every effect being tested."""
-    rng = np.random.default_rng(seed)
-    model = (LlamaForCausalLM if case.arch == "llama" else Qwen2ForCausalLM)(
-        hf_config(case, tied=case.arch == "llama")
-    )
-    std = {"q_proj": 0.08, "k_proj": 0.08, "embed_tokens": 0.1, "lm_head": 0.1}
-    out = {}
-    for name, p in model.state_dict().items():
-        short = name.split(".")[-2]
-        if "norm" in name:  # non-trivial gammas: folding them into the Linears must be exact
-            w = rng.uniform(0.5, 1.5, p.shape)
-        elif name.endswith(".bias"):
-            w = rng.normal(0, 0.5, p.shape)
-        else:
-            w = rng.normal(0, std.get(short, 0.06), p.shape)
-        out[name] = w.astype(np.float32)
-    if case.arch == "llama":  # tied, like Llama 3.2: the writer must untie from the embedding
-        out.pop("lm_head.weight", None)
-    return out
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def package(request, tmp_path_factory) -> tuple[Case, Path]:
     case = CASES[request.param]
     path = tmp_path_factory.mktemp(request.param)
-    bitnest.write(path, random_source_weights(case, seed=1234), writer_config(case))
+    write_package(path, random_source_weights(case, seed=1234), writer_config(case))
     return case, path
 
 
@@ -163,10 +83,13 @@ def recording(trace: Trace | None) -> Iterator[None]:
     if trace is None:
         yield
         return
-    a8, nest_quantize = runtime_model.a8, nested_kv.nest_quantize
+    a8, nest_quantize = dual_plane.a8, nested_kv.nest_quantize
+    last: list[mx.array] = []
 
     def a8_spy(x: mx.array, group: int = -1) -> mx.array:
-        trace.a8.append(np.array(x[0]))  # [1, T, D] -> [T, D]
+        if not last or last[0] is not x:  # q/k/v (and gate/up) quantize one input: one site
+            trace.a8.append(np.array(x[0]))  # [1, T, D] -> [T, D]
+        last[:] = [x]
         return a8(x, group)
 
     def kv_spy(x: mx.array, group: int):
@@ -174,7 +97,7 @@ def recording(trace: Trace | None) -> Iterator[None]:
         return nest_quantize(x, group)
 
     with (
-        mock.patch.object(runtime_model, "a8", a8_spy),
+        mock.patch.object(dual_plane, "a8", a8_spy),
         mock.patch.object(nested_kv, "nest_quantize", kv_spy),
     ):
         yield
@@ -192,9 +115,8 @@ def runtime_logits(
     one after another through the same cache (None: one prefill); `trace` records quantizer
     inputs."""
     model = load_model(path, mode)
-    model.quantize_activations = quantize
-    model.quantize_kv = quantize
-    cache = model.make_cache()  # after the switches: the cache reads them at construction
+    model.options = RunOptions(mode, quantize_activations=quantize, quantize_kv=quantize)
+    cache = model.make_cache()
     chunks, start = [], 0
     with recording(trace):
         for n in steps or [len(tokens)]:
@@ -295,7 +217,7 @@ def test_llama3_rope_scaling_changes_the_logits(tmp_path):
     cfgs = {"scaled": writer_config(case), "plain": {**writer_config(case), "rope_scaling": None}}
     logits = {}
     for name, cfg in cfgs.items():
-        bitnest.write(tmp_path / name, weights, cfg)
+        write_package(tmp_path / name, weights, cfg)
         logits[name] = runtime_logits(tmp_path / name, TOKENS, "target", quantize=False)
     assert np.abs(logits["scaled"] - logits["plain"]).max() > 100 * TOL
 
@@ -327,7 +249,7 @@ def test_r3_enabled_in_manifest_matches_numpy_spec_reference(tmp_path):
     """Optional R3 (spec §5): with `kv.r3: true` q and k get a per-head Hadamard after RoPE,
     which changes what the nested KV cache quantizes."""
     case = CASES["llama-K12"]
-    bitnest.write(tmp_path, random_source_weights(case, seed=1234), writer_config(case))
+    write_package(tmp_path, random_source_weights(case, seed=1234), writer_config(case))
     manifest_file = tmp_path / "bitnest.json"
     manifest = json.loads(manifest_file.read_text())
     manifest["kv"]["r3"] = True
@@ -384,7 +306,7 @@ def test_writer_keeps_rope_from_transformers5_config_dict(tmp_path):
     cfg = hf_config(case, tied=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        bitnest.write(tmp_path, random_source_weights(case, seed=1), cfg.to_dict())
+        write_package(tmp_path, random_source_weights(case, seed=1), cfg.to_dict())
     written = bitnest.read(tmp_path).config
     assert written["rope_theta"] == 500000.0
     assert (written.get("rope_scaling") or {}).get("rope_type") == "llama3"
@@ -394,7 +316,7 @@ def test_load_with_tokenizer_accepts_llama3_scaled_package(tmp_path):
     """AutoTokenizer must not parse the package's config.json: as a bare transformers config
     (model_type "bitnest" is unknown to it) its llama3 rope_scaling fails to standardize."""
     case = CASES["llama-K12"]
-    bitnest.write(tmp_path, random_source_weights(case, seed=1), writer_config(case))
+    write_package(tmp_path, random_source_weights(case, seed=1), writer_config(case))
     write_tokenizer(tmp_path)
     model, tokenizer = bitnest_mlx.load(tmp_path, dtype=mx.float32)
     assert tokenizer.encode("ab")

@@ -2,7 +2,7 @@
 
 Every validation rule gets a package that breaks exactly that rule, and the PackageError must name
 the file, the tensor (where there is one) and what was expected. The packages are written by
-`bitnest.write` from seeded random float weights (tests/package_factory.py), once per session, and
+`write_package` from seeded random float weights (tests/factory.py), once per session, and
 each test breaks its own copy.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from package_factory import (
+from factory import (
     copy_package,
     edit_json,
     edit_tensors,
@@ -27,6 +27,7 @@ from package_factory import (
     shard,
 )
 
+from bitnest_mlx.convert import write_package
 from bitnest_mlx.formats import bitnest
 from bitnest_mlx.formats.bitnest import PackageError
 from bitnest_mlx.formats.hadamard import hadamard_k, r4_transform
@@ -660,7 +661,7 @@ def test_written_manifest_has_every_key_of_the_seed_manifest(built):
     # ... with this model's values, not the seed's.
     assert ours["format"] == "bitnest-package-v1"
     assert (ours["model"], ours["arch"]) == ("tiny-llama", "llama")
-    assert ours["source_model"] == "tests.package_factory"
+    assert ours["source_model"] == "tests.factory"
     assert (ours["group_size"], ours["pack"]) == (128, "unsigned+8")
     assert ours["rope"] == {
         "theta": config["rope_theta"],
@@ -809,21 +810,21 @@ def test_write_refuses_a_missing_weight_before_writing(tmp_path):
     weights, config = float_weights()
     del weights["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(PackageError, match=r"missing float weight model\.layers\.1\.mlp\.up_proj"):
-        bitnest.write(tmp_path / "out", weights, config)
+        write_package(tmp_path / "out", weights, config)
     assert not (tmp_path / "out").exists()
 
 
 def test_write_refuses_k_not_a_multiple_of_128(tmp_path):
     weights, config = float_weights(intermediate=200)
     with pytest.raises(PackageError, match=r"model\.layers\.0\.mlp\.down_proj\.weight.*128"):
-        bitnest.write(tmp_path / "out", weights, config)
+        write_package(tmp_path / "out", weights, config)
 
 
 def test_write_refuses_a_weight_whose_shape_disagrees_with_the_config(tmp_path):
     weights, config = float_weights()
     config["vocab_size"] = 300
     with pytest.raises(PackageError, match=r"lm_head\.weight has shape \[257, 256\].*\[300, 256\]"):
-        bitnest.write(tmp_path / "out", weights, config)
+        write_package(tmp_path / "out", weights, config)
 
 
 def test_write_quantize_callback_gets_every_stored_weight_in_forward_order(tmp_path):
@@ -836,7 +837,7 @@ def test_write_quantize_callback_gets_every_stored_weight_in_forward_order(tmp_p
         return bitnest.planes_from_codes(w, np.zeros(w.shape), None)
 
     notes = {"method": "test", "per_linear": {"lm_head": {"saturation": 0.5}}}
-    pkg = bitnest.write(tmp_path / "out", weights, config, quantize=quantize, notes=notes)
+    pkg = write_package(tmp_path / "out", weights, config, quantize=quantize, notes=notes)
     assert [n for n, _ in calls] == list(linear_shapes(config))
     got = dict(calls)
     p = "model.layers.1."
@@ -879,7 +880,7 @@ def test_write_reads_rope_from_a_transformers5_config_dict(tmp_path):
     weights, config = float_weights(n_layers=1)
     scaling = config.pop("rope_scaling")
     config["rope_parameters"] = {**scaling, "rope_theta": config.pop("rope_theta")}
-    package = bitnest.read(bitnest.write(tmp_path / "out", weights, config))
+    package = bitnest.read(write_package(tmp_path / "out", weights, config))
     assert package.manifest["rope"]["theta"] == 500000.0
     assert package.manifest["rope"]["scaling"] == scaling
     assert (package.config["rope_theta"], package.config["rope_scaling"]) == (500000.0, scaling)
@@ -914,7 +915,7 @@ def test_writer_records_r3_and_kv_group_and_the_model_uses_them(tmp_path):
     import bitnest_mlx
 
     weights, config = float_weights(n_layers=1)
-    pkg = bitnest.write(tmp_path / "out", weights, config, r3=True, kv_group=32)
+    pkg = write_package(tmp_path / "out", weights, config, r3=True, kv_group=32)
     kv = bitnest.read(pkg).manifest["kv"]
     assert kv["r3"] is True and kv["group"] == 32
     model, _ = bitnest_mlx.load(pkg)

@@ -5,28 +5,19 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hub_server import FakeHub  # noqa: E402
+from server_process import post, running_server  # noqa: E402
 
+from bitnest_mlx.cli.server import server_argv  # noqa: E402
 from bitnest_mlx.demo import demo_path  # noqa: E402
-from bitnest_mlx.server import server_argv  # noqa: E402
 
 REQUEST = {"messages": [{"role": "user", "content": "The river"}], "max_tokens": 10}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -34,48 +25,21 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("server")
     shutil.copytree(demo_path(), root / "pkg")
     hub = FakeHub({"org/pkg": root / "pkg"})
-    port = _free_port()
     env = {
-        **__import__("os").environ,
         "HF_ENDPOINT": hub.url,
         "HF_HUB_CACHE": str(root / "cache"),
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "HF_HUB_OFFLINE": "0",
     }
-    env.pop("HF_HUB_OFFLINE", None)
-    log = open(root / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bitnest_mlx.server", "--model", "org/pkg"]
-        + ["--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            if proc.poll() is not None:
-                pytest.fail((root / "server.log").read_text()[-2000:])
-            try:
-                urllib.request.urlopen(url + "/v1/models", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.1)
-        yield url
+        with running_server(["--model", "org/pkg"], root / "server.log", env) as url:
+            yield url
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
         hub.close()
 
 
 def _post(url: str, body: dict) -> bytes:
-    req = urllib.request.Request(
-        url + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return r.read()
+    return post(url, "/v1/chat/completions", body)
 
 
 def test_server_argv_defaults_draft_to_same_package(tmp_path):

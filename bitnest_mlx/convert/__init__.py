@@ -1,5 +1,5 @@
-"""Checkpoint -> bitnest package: fold norms, rotate (R1/R2), then the writer fuses R4 and quantizes
-each Linear with GPTQ (hi plane) or RTN, with the RTN residual as the lo plane."""
+"""Checkpoint -> bitnest package: fold norms, rotate (R1/R2), then `write_package` fuses R4 and
+quantizes each Linear with GPTQ (hi plane) or RTN, with the RTN residual as the lo plane."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..formats import bitnest
+from ..formats.bitnest import Planes, planes_from_codes
 from ..formats.hadamard import hadamard_k, split_k
 from .calib import calibration_tokens
 from .gptq import SequentialGPTQ
+from .package import fold_norms, write_package
 from .rotation import rotate
 from .sources import load_gguf, load_hf
 
@@ -46,7 +47,7 @@ def convert(
     source = load_hf(hf_path) if hf_path else load_gguf(gguf, scratch / "tokenizer")
     config = source.config
     n_layers = config["num_hidden_layers"]
-    weights = rotate(bitnest.fold_norms(source.weights, n_layers), config, rotate_kind, seed)
+    weights = rotate(fold_norms(source.weights, n_layers), config, rotate_kind, seed)
     del source.weights  # the folded copy is all that is needed; halves peak memory
 
     bar = tqdm(total=n_layers + 1, desc=f"{method} {source.name}", unit="layer")
@@ -66,13 +67,13 @@ def convert(
             w8_slack=w8_slack,
         )
     elif method == "rtn":
-        quantize = lambda name, w: bitnest.planes_from_codes(w)
+        quantize = lambda name, w: planes_from_codes(w)
     else:
         raise ValueError(f"unknown method {method!r}; expected gptq or rtn")
 
     stats: dict[str, dict] = {}
 
-    def recording(name: str, w: np.ndarray) -> bitnest.Planes:
+    def recording(name: str, w: np.ndarray) -> Planes:
         planes = quantize(name, w)
         stats[name] = {
             "saturation": round(planes.saturation, 6),
@@ -95,7 +96,7 @@ def convert(
         "kv_group": kv_group,
         "calibration_tokens": int(tokens.size) if method == "gptq" else 0,
     }
-    bitnest.write(
+    write_package(
         out,
         weights,
         config,
@@ -117,3 +118,6 @@ def convert(
         "max_w8_max_rel_err": max(s["w8_max_rel_err"] for s in layers),
         "lm_head": stats["lm_head"],
     }
+
+
+__all__ = ["convert", "fold_norms", "write_package"]

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 bundles in jang's MLX layout: key schedule, strict reading, and a writer.
+"""DeepSeek-V4 bundles in jang's MLX layout: the key schedule and strict reading.
 
 A bundle is a directory with config.json (model_type `deepseek_v4`) and safetensors, one file or
 shards listed in `model.safetensors.index.json`. Keys are the official checkpoint names
@@ -18,6 +18,9 @@ disagrees with a tensor's `tq_bits`, or an MXTQ row length that does not fill wh
 `BundleError` naming the key. The result is keyed by model parameter names
 (`models/deepseek_v4.py`): the official names with routed experts at
 `layers.L.ffn.switch_mlp.<proj>`.
+
+Writing is formats/dsv4_bundle_write.py; both sides take the schedule and the stored key names
+from here, so a layout rule lives in one place.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 from . import mxtq
 
@@ -36,8 +38,6 @@ INDEX_FILE = "model.safetensors.index.json"
 PROJECTIONS = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}  # official expert names
 FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 INTS = (mx.int8, mx.int16, mx.int32, mx.int64, mx.uint8, mx.uint16, mx.uint32, mx.uint64)
-# Passthrough tensors jang keeps in float32 (the rest of the passthrough class goes to float16).
-_F32_PASSTHROUGH = re.compile(r"(hc_|attn_sink|\.ape$|gate\.bias$)")
 
 
 class BundleError(ValueError):
@@ -153,6 +153,26 @@ def _compressor(prefix: str, ratio: int, head_dim: int, d: int) -> dict[str, Slo
         f"{prefix}.ape": Slot("float", (ratio, width)),
         f"{prefix}.norm.weight": Slot("float", (head_dim,)),
     }
+
+
+def layer_proj(name: str) -> tuple[str, str]:
+    """("L", "<proj>") of a routed-expert slot `layers.L.ffn.switch_mlp.<proj>`."""
+    return name.split(".")[1], name.rsplit(".", 1)[1]
+
+
+def plan_key(name: str) -> str:
+    """The `routed_expert_bit_plan` key of a routed-expert slot: "layer_L.<proj>"."""
+    layer, proj = layer_proj(name)
+    return f"layer_{layer}.{proj}"
+
+
+def stored_expert_name(name: str, expert: int | None = None) -> str:
+    """Where jang stores a routed-expert slot: pre-stacked under `layers.L.mlp.switch_mlp.<proj>`,
+    or, given `expert`, under the official per-expert `layers.L.ffn.experts.E.w{1,2,3}`."""
+    layer, proj = layer_proj(name)
+    if expert is None:
+        return f"layers.{layer}.mlp.switch_mlp.{proj}"
+    return f"layers.{layer}.ffn.experts.{expert}.{PROJECTIONS[proj]}"
 
 
 # ---------------------------------------------------------------- reading
@@ -350,7 +370,7 @@ def _read_experts(name, slot, got, out) -> str | int:
         for e in range(n_exp):
             if set(by_expert.get(e, {})) != leaves:
                 miss = sorted(leaves - set(by_expert.get(e, {}))) or ["?"]
-                raise BundleError(f"{_per_expert_key(name, e, miss[0])}: missing")
+                raise BundleError(f"{stored_expert_name(name, e)}.{miss[0]}: missing")
         fields = {}
         for leaf in leaves:
             keys = [by_expert[e][leaf][0] for e in range(n_exp)]
@@ -390,122 +410,14 @@ def _read_experts(name, slot, got, out) -> str | int:
     return bits
 
 
-def _per_expert_key(name: str, e: int, leaf: str) -> str:
-    layer, proj = name.split(".")[1], name.rsplit(".", 1)[1]
-    return f"layers.{layer}.ffn.experts.{e}.{PROJECTIONS[proj]}.{leaf}"
-
-
 def _check_plan(name: str, fmt: str | int, plan: dict[str, int]) -> None:
-    layer, proj = name.split(".")[1], name.rsplit(".", 1)[1]
-    want = plan.get(f"layer_{layer}.{proj}")
+    want = plan.get(plan_key(name))
     if want is None:
         return
     if fmt == "float":
         raise BundleError(f"{name}: the bit plan says {want} bits but the experts are float")
     if want != fmt:
         raise BundleError(
-            f"layers.{layer}.mlp.switch_mlp.{proj}.tq_bits is {fmt}, but "
-            f"routed_expert_bit_plan assigns layer_{layer}.{proj} = {want}"
+            f"{stored_expert_name(name)}.tq_bits is {fmt}, but "
+            f"routed_expert_bit_plan assigns {plan_key(name)} = {want}"
         )
-
-
-# ---------------------------------------------------------------- writing
-
-
-def write(
-    path: str | Path,
-    config: dict,
-    weights: dict[str, np.ndarray],
-    *,
-    expert_bits: dict[str, int] | None = None,
-    quantize: bool = True,
-    per_expert: bool = False,
-    shards: int = 2,
-) -> Path:
-    """Write float weights (model parameter names) as a bundle in jang's layout.
-
-    quantize: linears as MLX affine 8-bit group 32, routed experts as MXTQ with
-    `expert_bits["layer_L.<proj>"]` bits (default 4); the plan is recorded in config.json.
-    Otherwise everything is float32 under the official names. per_expert: routed experts under
-    `layers.L.ffn.experts.E.w{1,2,3}` instead of pre-stacked `layers.L.mlp.switch_mlp.*`.
-    For tests, demos and converters; deterministic for deterministic input.
-    """
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    slots = schedule(config)
-    seed = int(config.get("mxtq_seed", mxtq.DEFAULT_SEED))
-    expert_bits = expert_bits or {}
-    config = dict(config, model_type="deepseek_v4")
-    out: dict[str, np.ndarray] = {}
-    plan = {}
-    for name, slot in slots.items():
-        w = weights[name if slot.kind in ("float", "int") else f"{name}.weight"]
-        if slot.kind == "int":
-            out[name] = np.asarray(w, dtype=np.int32)
-        elif slot.kind == "float":
-            f32 = not quantize or _F32_PASSTHROUGH.search(name)
-            out[name] = np.asarray(w, dtype=np.float32 if f32 else np.float16)
-        elif slot.kind == "experts":
-            layer, proj = name.split(".")[1], name.rsplit(".", 1)[1]
-            if quantize:
-                bits = expert_bits.get(f"layer_{layer}.{proj}", 4)
-                plan[f"layer_{layer}.{proj}"] = bits
-                q = mxtq.encode(np.asarray(w, np.float32), bits, seed)
-                stacked = q.tensors(f"layers.{layer}.mlp.switch_mlp.{proj}")
-                # jang's prestack rewrites tq_bits as uint8.
-                stacked = {
-                    k: v.astype(np.uint8) if k.endswith("tq_bits") else v
-                    for k, v in stacked.items()
-                }
-            else:
-                stacked = {f"layers.{layer}.mlp.switch_mlp.{proj}.weight": np.float32(w)}
-            if per_expert:
-                for key, v in stacked.items():
-                    leaf = key.rsplit(".", 1)[1]
-                    for e in range(slot.shape[0]):
-                        ek = f"layers.{layer}.ffn.experts.{e}.{PROJECTIONS[proj]}.{leaf}"
-                        out[ek] = v if leaf == "tq_bits" else v[e]
-            else:
-                out.update(stacked)
-        elif quantize:
-            wq, scales, biases = mx.quantize(mx.array(w, dtype=mx.float32), group_size=32, bits=8)
-            out[f"{name}.weight"] = np.array(wq)
-            out[f"{name}.scales"] = np.array(scales.astype(mx.float16))
-            out[f"{name}.biases"] = np.array(biases.astype(mx.float16))
-        else:
-            out[f"{name}.weight"] = np.asarray(w, dtype=np.float32)
-
-    if quantize:
-        config["quantization"] = {"bits": 8, "group_size": 32, "mode": "affine"}
-        config["weight_format"] = "mxtq"
-        config["mxtq_seed"] = seed
-        config["routed_expert_bit_plan"] = {
-            "codec": "mxtq",
-            "bits_used": sorted(set(plan.values())),
-            "assignment": plan,
-        }
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    _write_shards(path, out, shards)
-    return path
-
-
-def _write_shards(path: Path, tensors: dict[str, np.ndarray], shards: int) -> None:
-    # jang's rebundler writes the stacked expert groups first; keep that order.
-    keys = sorted(tensors, key=lambda k: (".switch_mlp." not in k, k))
-    shards = max(1, min(shards, len(keys)))
-    if shards == 1:
-        mx.save_safetensors(
-            str(path / "model.safetensors"),
-            {k: mx.array(tensors[k]) for k in keys},
-            metadata={"format": "mlx"},
-        )
-        return
-    weight_map, total = {}, 0
-    for i, chunk in enumerate(np.array_split(np.array(keys, dtype=object), shards)):
-        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        arrays = {k: mx.array(tensors[k]) for k in chunk}
-        mx.save_safetensors(str(path / fname), arrays, metadata={"format": "mlx"})
-        weight_map.update({k: fname for k in chunk})
-        total += sum(a.nbytes for a in arrays.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

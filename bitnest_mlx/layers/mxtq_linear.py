@@ -59,7 +59,9 @@ class _MXTQBase(nn.Module):
 
     def rotate(self, x: mx.array) -> mx.array:
         """R x (float32). Modules with the same in_features and seed can share one rotated x."""
-        if kernels.hadamard_supported(self.in_features) and kernels.use("hadamard"):
+        if kernels.hadamard_supported(self.in_features) and kernels.use(
+            "hadamard", hadamard_self_test
+        ):
             kernels.record("hadamard", "kernel")
             return kernels.hadamard_rotate(x, self._signs)
         return rotate_input(x, self._signs)
@@ -150,12 +152,17 @@ class MXTQSwitchLinear(_MXTQBase):
         """One expert expanded to float32 centroids."""
         return 4 * self.out_features * self.in_features
 
-    def apply_rotated(self, x_rot: mx.array, indices: mx.array) -> mx.array:
-        """[..., 1|K, M, in] rotated inputs, [..., K] expert ids -> [..., K, M, out] float32."""
+    def apply_rotated(
+        self, x_rot: mx.array, indices: mx.array, use_kernels: bool = True
+    ) -> mx.array:
+        """[..., 1|K, M, in] rotated inputs, [..., K] expert ids -> [..., K, M, out] float32.
+
+        `use_kernels=False` forces the pure-MLX path (the kernel's reference)."""
         if (
-            x_rot.shape[-2] == 1
+            use_kernels
+            and x_rot.shape[-2] == 1
             and kernels.mxtq_gather_supported(x_rot[..., 0, :], indices, self.bits)
-            and kernels.use("mxtq_gather")
+            and kernels.use("mxtq_gather", gather_self_test)
         ):
             kernels.record("mxtq_gather", "kernel")
             y = kernels.mxtq_gather_matvec(
@@ -197,3 +204,25 @@ class MXTQSwitchLinear(_MXTQBase):
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         # sorted_indices is accepted for SwitchGLU compatibility; both paths handle any order.
         return self.apply_rotated(self.rotate(x), indices).astype(x.dtype)
+
+
+def gather_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx.array]:
+    """(kernel, pure) routed 2-bit experts at M = 1, shared and repeated expert ids."""
+    k1, k2, k3 = mx.random.split(mx.random.key(3), 3)
+    sw = MXTQSwitchLinear(128, 10, 3, bits=2)
+    sw.tq_packed = mx.random.randint(0, 2**31, (3, 10, 8), key=k1).astype(mx.uint32)
+    sw.tq_norms = mx.random.uniform(0.5, 1.5, (3, 10), key=k2).astype(mx.float16)
+    x = mx.random.normal((2, 1, 1, 128), key=k3)
+    idx = mx.array([[0, 2], [1, 1]], dtype=mx.uint32)
+    got = kernels.mxtq_gather_matvec(
+        x[:, :, 0, :], idx, sw.tq_packed, sw.tq_norms, sw._codebook, 2, runner
+    )
+    return got, sw._pure_apply(x, idx)[..., 0, :]
+
+
+def hadamard_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx.array]:
+    """(kernel, pure) signed Hadamard rotation of two rows of 256."""
+    k1, k2 = mx.random.split(mx.random.key(4))
+    x = mx.random.normal((2, 256), key=k1)
+    s = mx.where(mx.random.uniform(shape=(256,), key=k2) < 0.5, -1.0, 1.0)
+    return kernels.hadamard_rotate(x, s, runner), rotate_input(x, s)

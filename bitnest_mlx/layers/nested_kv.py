@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
+
+from .. import kernels
+from ..formats.bitnest.numerics import nested
 
 _SHIFTS = mx.array([4 * i for i in range(8)], dtype=mx.uint32)
 
@@ -37,17 +42,15 @@ def nest_dequantize(
     """KV4 = q4·s (draft) or KV8 = (16 q4 + qr)·s/16 (target), float32."""
     kw = dict(group_size=group, bits=4)
     x = mx.dequantize(hi, scales, -8 * scales, **kw)
-    if not draft:
-        x = x + mx.dequantize(lo, scales, -8 * scales, **kw) * 0.0625
-    return x
+    return x if draft else nested(x, mx.dequantize(lo, scales, -8 * scales, **kw))
 
 
 class NestedKVCache(_BaseCache):
     """Per layer: K (after RoPE) and V quantized at write time; reads dequantize one plane or both.
 
-    Attention always reads the quantized values, the tokens just written included. Every write
-    lands at `offset`, so a verify pass after `trim` overwrites what a draft round wrote.
-    With `quantized=False` (parity/debug mode) K and V are stored as they are.
+    Attention (`attend`) always reads the quantized values, the tokens just written included.
+    Every write lands at `offset`, so a verify pass after `trim` overwrites what a draft round
+    wrote. With `quantized=False` (parity/debug mode) K and V are stored as they are.
     """
 
     step = 256
@@ -67,20 +70,60 @@ class NestedKVCache(_BaseCache):
             return parts[0]
         return nest_dequantize(*parts, self.group_size, draft).astype(dtype)
 
+    def attend(
+        self,
+        q: mx.array,
+        k: mx.array,
+        v: mx.array,
+        *,
+        scale: float,
+        mask: Any,
+        draft: bool = False,
+        k_offset: mx.array | None = None,
+        use_kernels: bool = True,
+    ) -> mx.array:
+        """Store k, v [B, Hkv, L, D] at `offset`, then attention of q [B, Hq, L, D] over every
+        stored position read as KV4 (draft) or KV8 (target): [B, Hq, L, D].
+
+        `k_offset` [B, Hkv, offset + L, D] is added to the keys as read (a per-channel offset
+        kept out of the quantized values, e.g. Qwen2's rotated k bias). The Metal kernel reads
+        the planes in place; the pure path dequantizes them.
+        """
+        if (
+            k_offset is None
+            and use_kernels
+            and self.quantized
+            and kernels.nested_kv_supported(q, mask, q.shape[-1], self.group_size)
+            and kernels.use("nested_kv", kernel_self_test)
+        ):
+            kernels.record("nested_kv", "kernel")
+            self._store(k, v)
+            return kernels.nested_kv_attention(
+                q,
+                self.keys,
+                self.values,
+                draft=draft,
+                scale=scale,
+                group=self.group_size,
+                n_kv=self.offset,
+            )
+        kernels.record("nested_kv", "pure")
+        keys, values = self.update_and_fetch(k, v, draft)
+        if k_offset is not None:
+            keys = keys + k_offset.astype(keys.dtype)
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
     def update_and_fetch(
         self, keys: mx.array, values: mx.array, draft: bool = False
     ) -> tuple[mx.array, mx.array]:
-        self.write(keys, values)
+        self._store(keys, values)
         k = tuple(a[:, :, : self.offset] for a in self.keys)
         v = tuple(a[:, :, : self.offset] for a in self.values)
         return self._decode(k, draft, keys.dtype), self._decode(v, draft, values.dtype)
 
-    def write(self, keys: mx.array, values: mx.array) -> None:
-        """Store K and V at `offset` and advance it.
-
-        The Metal attention kernel then reads `keys`/`values` (hi, lo, scales; capacity-sized,
-        the first `offset` positions valid) in place (kernels.nested_kv_attention).
-        """
+    def _store(self, keys: mx.array, values: mx.array) -> None:
+        """Store K and V at `offset` and advance it; `keys`/`values` hold (hi, lo, scales),
+        capacity-sized, the first `offset` positions valid."""
         prev, n = self.offset, keys.shape[2]
         new_k, new_v = self._encode(keys), self._encode(values)
         if self.keys is None or prev + n > self.keys[0].shape[2]:
@@ -144,3 +187,14 @@ class NestedKVCache(_BaseCache):
         if self.keys is None:
             return 0
         return sum(a.nbytes for a in (*self.keys, *self.values))
+
+
+def kernel_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx.array]:
+    """(kernel, pure) attention of one query over 5 KV8 positions, GQA 2."""
+    k1, k2, k3 = mx.random.split(mx.random.key(2), 3)
+    q = mx.random.normal((1, 4, 1, 64), key=k1)
+    kp = nest_quantize(mx.random.normal((1, 2, 5, 64), key=k2), 64)
+    vp = nest_quantize(mx.random.normal((1, 2, 5, 64), key=k3), 64)
+    got = kernels.nested_kv_attention(q, kp, vp, draft=False, scale=0.125, group=64, runner=runner)
+    k, v = nest_dequantize(*kp, 64, False), nest_dequantize(*vp, 64, False)
+    return got, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125)

@@ -1,0 +1,181 @@
+"""`python -m bitnest_mlx.generate` (`bitnest-generate`): stream text (default model: the demo)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import mlx.core as mx
+from mlx_lm.generate import stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+from .. import speculative
+from ..formats.bitnest import PackageError
+from ..hub import HubError
+from ..loader import load
+from ..sampling import make_sampler as bitnest_make_sampler
+
+MODES = ("speculative", "target", "draft")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bitnest_mlx.generate",
+        description="Generate text with a bitnest package. Without --model the embedded demo "
+        "package is built (offline, once) and used.",
+    )
+    p.add_argument("--model", help="package directory or Hub id org/repo[@rev] (default: demo)")
+    p.add_argument("--prompt", "-p", default="Hello", help="prompt text (default: %(default)r)")
+    p.add_argument("--max-tokens", "-m", type=int, default=100, help="tokens to generate")
+    p.add_argument("--temp", type=float, default=0.8, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling (0 = off)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="speculative",
+        help="speculative = W4 draft proposes, W8 target verifies, lossless (default); "
+        "target = W8 weights + KV8 reads; draft = W4 + KV4",
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=3,
+        help="speculative: maximum draft length per round, adapted down from acceptance and "
+        "measured costs; 0 = target-only (default: %(default)s)",
+    )
+    p.add_argument(
+        "--no-fallback",
+        action="store_true",
+        help="speculative: never fall back to target-only decoding, even when measured faster",
+    )
+    p.add_argument("--ignore-chat-template", action="store_true", help="use the raw prompt")
+    p.add_argument("--system-prompt", help="system message for the chat template")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object (text, tokens, mode, stats)"
+    )
+    return p
+
+
+def encode_prompt(tokenizer, prompt: str, args: argparse.Namespace) -> list[int]:
+    if args.ignore_chat_template or not getattr(tokenizer, "has_chat_template", False):
+        return tokenizer.encode(prompt)
+    messages = [{"role": "user", "content": prompt}]
+    if args.system_prompt:
+        messages.insert(0, {"role": "system", "content": args.system_prompt})
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    mx.random.seed(args.seed)
+    model_path = args.model
+    if model_path is None:
+        from ..demo import demo_path
+
+        model_path = demo_path()
+    if args.num_draft_tokens < 0:
+        print("error: --num-draft-tokens must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        tic = time.perf_counter()
+        model, tokenizer = load(model_path, mode="draft" if args.mode == "draft" else "target")
+        load_s = time.perf_counter() - tic
+    except (PackageError, HubError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    if tokenizer is None:
+        print(f"error: {model_path} has no tokenizer files (tokenizer.json, ...)", file=sys.stderr)
+        return 2
+    if not model.supports_draft:
+        # One precision only (DeepSeek-V4 bundles): no draft plane to speculate with.
+        if args.mode == "draft":
+            print(
+                f"error: {model_path} has no draft plane (--mode draft needs a bitnest package)",
+                file=sys.stderr,
+            )
+            return 2
+        args.mode = "target"
+    prompt = encode_prompt(tokenizer, args.prompt, args)
+    context = model.args.max_position_embeddings
+    if len(prompt) >= context:
+        print(
+            f"error: the prompt is {len(prompt)} tokens, the model's context is {context}",
+            file=sys.stderr,
+        )
+        return 2
+    max_tokens = min(args.max_tokens, context - len(prompt))
+    sampling = dict(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+    spec_stats = speculative.SpeculativeStats()
+    if args.mode == "speculative":
+        responses = speculative.stream_generate(
+            model,
+            tokenizer,
+            prompt,
+            max_tokens=max_tokens,
+            sampler=bitnest_make_sampler(**sampling),
+            num_draft_tokens=args.num_draft_tokens,
+            fallback=not args.no_fallback,
+            stats=spec_stats,
+        )
+    else:
+        responses = stream_generate(
+            model, tokenizer, prompt, max_tokens=max_tokens, sampler=make_sampler(**sampling)
+        )
+
+    text, tokens, last = [], [], None
+    for r in responses:
+        text.append(r.text)
+        if r.finish_reason != "stop":
+            tokens.append(r.token)
+        if not args.json:
+            print(r.text, end="", flush=True)
+        last = r
+    stats = {
+        "load_s": round(load_s, 3),
+        "prompt_tokens": last.prompt_tokens,
+        "prompt_tps": round(last.prompt_tps, 2),
+        "generation_tokens": len(tokens),
+        "generation_tps": round(last.generation_tps, 2),
+        "peak_memory_gb": round(last.peak_memory, 4),
+        "finish_reason": last.finish_reason,
+    }
+    if args.mode == "speculative":
+        stats.update(
+            acceptance_rate=round(spec_stats.acceptance_rate, 4),
+            mean_accepted=round(spec_stats.mean_accepted, 3),
+            draft_s=round(spec_stats.draft_s, 4),
+            verify_s=round(spec_stats.verify_s, 4),
+            fallback=spec_stats.fallback,
+            num_draft_tokens=args.num_draft_tokens,
+            mean_drafted=round(spec_stats.mean_drafted, 3),
+        )
+    if args.json:
+        out = {"text": "".join(text), "tokens": tokens, "mode": args.mode, "stats": stats}
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        print()
+        print(
+            f"[{args.mode}] prompt: {stats['prompt_tokens']} tokens, {stats['prompt_tps']} tok/s"
+            f" | generation: {stats['generation_tokens']} tokens, {stats['generation_tps']} tok/s"
+            f" | peak memory: {stats['peak_memory_gb']:.3f} GB",
+            file=sys.stderr,
+        )
+        if args.mode == "speculative":
+            print(
+                f"[speculative] acceptance: {stats['acceptance_rate']:.1%}"
+                f" | mean accepted: {stats['mean_accepted']} of {stats['mean_drafted']}"
+                f" drafted per round | draft {stats['draft_s']} s, verify {stats['verify_s']} s"
+                f" | fallback: {'yes' if stats['fallback'] else 'no'}",
+                file=sys.stderr,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

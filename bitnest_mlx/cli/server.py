@@ -1,0 +1,58 @@
+"""`python -m bitnest_mlx.server` (`bitnest-server`): mlx-lm's OpenAI server with self-speculation.
+
+The same server as `python -m mlx_lm server` (all its flags; see docs/server.md), plus:
+
+* `--model` also takes a Hub id `org/repo[@revision]`, fetched with bitnest_mlx.hub (only the
+  files the format needs, one-line errors);
+* for a bitnest package, `--draft-model` defaults to `MODEL#draft`: the draft reading of the
+  same weights, decoded with bitnest's shared-cache self-speculative loop (`--target-only`
+  turns it off; `--num-draft-tokens` is the maximum draft length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..hub import HubError, resolve
+from ..loader import supports_draft
+from ..mlx_lm_plugin import DRAFT_SUFFIX, register
+
+
+def server_argv(argv: list[str]) -> list[str]:
+    """mlx-lm server arguments for ours: --model resolved, --draft-model defaulted."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model")
+    p.add_argument("--draft-model")
+    p.add_argument("--target-only", action="store_true")
+    ours, rest = p.parse_known_args(argv)
+    if ours.model is None:
+        raise HubError("--model is required (a bitnest package, a DSV4 bundle or a Hub id)")
+    model = str(resolve(ours.model))
+    draft = ours.draft_model
+    if draft is None and not ours.target_only and supports_draft(model):
+        draft = model + DRAFT_SUFFIX
+    return ["--model", model, *(["--draft-model", draft] if draft else []), *rest]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv):  # ours, then mlx-lm's own help
+        print(__doc__.strip() + "\n\nbitnest flag: --target-only\n", flush=True)
+        args = argv
+    else:
+        try:
+            args = server_argv(argv)
+        except HubError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    register()
+    import mlx_lm.server
+
+    sys.argv = ["bitnest_mlx.server", *args]
+    mlx_lm.server.main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""bitnest-package-v1 (docs/bitnest-package.md): one name space over its parts.
+
+`layout` (names, shapes, the error type), `numerics` (plane math, W8 = W4 + lo/16, A8),
+`files` (manifest and safetensors access), `reader` (validation -> Package with a PackageSpec),
+`spec` (the typed model description) and `writer` (planes -> files).
+"""
+
+from . import writer
+from .files import find_manifest, is_package, read_tensors
+from .layout import (
+    ARCHS,
+    DEFAULT_EPS,
+    FORMAT,
+    INDEX_NAME,
+    LAYER_LINEARS,
+    MANIFEST_NAMES,
+    TOKENIZER_FILES,
+    PackageError,
+    linear_shapes,
+)
+from .numerics import (
+    GROUP_SIZE,
+    KV_GROUPS,
+    LO_STEP,
+    W8_MAX,
+    Planes,
+    a8,
+    a8_scale,
+    dequantize_planes,
+    nested,
+    pack_nibbles,
+    planes_from_codes,
+    quantize_planes,
+    unpack_nibbles,
+    weight_scales,
+)
+from .reader import Package, derive_config, read
+from .spec import PackageSpec
+
+__all__ = [
+    "ARCHS",
+    "DEFAULT_EPS",
+    "FORMAT",
+    "GROUP_SIZE",
+    "INDEX_NAME",
+    "KV_GROUPS",
+    "LAYER_LINEARS",
+    "LO_STEP",
+    "MANIFEST_NAMES",
+    "TOKENIZER_FILES",
+    "W8_MAX",
+    "Package",
+    "PackageError",
+    "PackageSpec",
+    "Planes",
+    "a8",
+    "a8_scale",
+    "derive_config",
+    "dequantize_planes",
+    "find_manifest",
+    "is_package",
+    "linear_shapes",
+    "nested",
+    "pack_nibbles",
+    "planes_from_codes",
+    "quantize_planes",
+    "read",
+    "read_tensors",
+    "unpack_nibbles",
+    "weight_scales",
+    "writer",
+]

@@ -1,0 +1,57 @@
+"""What a bitnest package is made of: file names, Linear names and shapes, the error type.
+
+Shared by the reader and the writer. Spec: docs/bitnest-package.md.
+"""
+
+from __future__ import annotations
+
+FORMAT = "bitnest-package-v1"
+MANIFEST_NAMES = ("bitnest.json", "manifest.json")
+INDEX_NAME = "model.safetensors.index.json"
+ARCHS = ("llama", "qwen2")
+LAYER_LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+DEFAULT_EPS = {"llama": 1e-5, "qwen2": 1e-6}
+
+
+class PackageError(ValueError):
+    """A package that breaks bitnest-package-v1; the message names file, tensor, expectation."""
+
+
+def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
+    """[N, K] of every quantized Linear the config dims imply, layers in order, lm_head last."""
+    d, inter, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    per_layer = {
+        "self_attn.q_proj": (q, d),
+        "self_attn.k_proj": (kv, d),
+        "self_attn.v_proj": (kv, d),
+        "self_attn.o_proj": (d, q),
+        "mlp.gate_proj": (inter, d),
+        "mlp.up_proj": (inter, d),
+        "mlp.down_proj": (d, inter),
+    }
+    shapes = {
+        f"model.layers.{i}.{lin}": s
+        for i in range(config["num_hidden_layers"])
+        for lin, s in per_layer.items()
+    }
+    shapes["lm_head"] = (config["vocab_size"], d)
+    return shapes

@@ -1,0 +1,150 @@
+"""The package's numeric rules, each written once: plane packing, scales, W8 = W4 + lo/16, A8.
+
+Numpy for the writer and validators, MLX where the runtime needs the same rule (`nested`, `a8`).
+Spec: docs/bitnest-package.md (integer maps, activation quantization).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+GROUP_SIZE = 128  # columns per weight scale (and per A8 group where a Linear is grouped)
+KV_GROUPS = (32, 64, 128)  # KV scale groups MLX's 4-bit (de)quantization supports
+LO_STEP = 1 / 16  # the lo plane's step, in units of the hi plane's
+W8_MAX = 119 / 16  # the W8 grid spans [-8 s, 7.4375 s]: q8 = 16 q4 + qr in [-128, 119]
+
+
+def nested(hi, lo):
+    """The 8-bit value from its two 4-bit planes' values (weights or KV; numpy or MLX):
+    hi + lo/16, i.e. (16 q4 + qr)·s/16 for planes q4·s and qr·s."""
+    return hi + lo * LO_STEP
+
+
+def a8_scale(x: mx.array, group: int = -1) -> mx.array:
+    """The A8 scale of x: amax/127 per token (group=-1) or per `group` columns, 1 where amax == 0;
+    float32 [..., 1] or [..., K/group] (what a fused kernel needs to quantize x while loading)."""
+    xf = x.astype(mx.float32)
+    if group > 0:
+        xf = xf.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    amax = mx.abs(xf).max(axis=-1)
+    scale = mx.where(amax == 0, 1.0, amax / 127.0)
+    return scale if group > 0 else scale[..., None]
+
+
+def a8(x: mx.array, group: int = -1) -> mx.array:
+    """Symmetric int8 fake-quantization: q = clip(round_half_even(x/scale), -128, 127), q·scale.
+
+    fp32 math; division (not multiplication by 127/amax) reproduces the reference rounding at ties.
+    """
+    shape, dtype = x.shape, x.dtype
+    xf = x.astype(mx.float32)
+    scale = a8_scale(x, group)
+    if group > 0:
+        xf = xf.reshape(*shape[:-1], shape[-1] // group, group)
+        scale = scale[..., None]
+    q = mx.clip(mx.round(xf / scale), -128, 127)
+    return (q * scale).reshape(shape).astype(dtype)
+
+
+def pack_nibbles(u: np.ndarray) -> np.ndarray:
+    """uint8 codes in [0, 15], [N, K] -> [N, K/2]; byte j = column 2j (low) | column 2j+1 (high)."""
+    u = u.astype(np.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def unpack_nibbles(b: np.ndarray) -> np.ndarray:
+    """Inverse of pack_nibbles: uint8 [N, K/2] -> uint8 codes [N, K]."""
+    out = np.empty((*b.shape[:-1], b.shape[-1] * 2), dtype=np.uint8)
+    out[..., 0::2], out[..., 1::2] = b & 0xF, b >> 4
+    return out
+
+
+@dataclass
+class Planes:
+    hi: np.ndarray  # uint8 [N, K/2]
+    lo: np.ndarray  # uint8 [N, K/2]
+    scales: np.ndarray  # float16 [N, K/128]
+    saturation: float  # fraction of residuals clipped at +-8
+    w8_max_rel_err: float  # max|W8 - W| / max|W|
+    w4_rel_fro_err: float  # ||W4 - W||_F / ||W||_F
+
+
+def quantize_planes(w: np.ndarray) -> Planes:
+    """RTN planes: the W8 code q8 = round(w/(s/16)) split into hi and lo nibbles (see
+    `planes_from_codes`), s from `weight_scales`."""
+    return planes_from_codes(w)
+
+
+def weight_scales(w: np.ndarray) -> np.ndarray:
+    """fp16 scales [N, K/128]: the smallest s whose W8 grid still holds every value of the group
+    (max/7.4375 and -min/8), so W8 never clips and W4 gets a ~6 % finer step than amax/7."""
+    n, k = w.shape
+    if k % GROUP_SIZE:
+        raise ValueError(f"weight shape {[n, k]}: K must be a multiple of {GROUP_SIZE}")
+    wg = w.astype(np.float32).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    s = np.maximum(wg.max(-1) / W8_MAX, -wg.min(-1) / 8)
+    s16 = np.maximum(s, 2.0**-14).astype(np.float16)
+    s16[s == 0] = 1
+    return s16
+
+
+def planes_from_codes(
+    w: np.ndarray,
+    codes: np.ndarray | None = None,
+    scales: np.ndarray | None = None,
+    residual: np.ndarray | None = None,
+) -> Planes:
+    """Planes for weight `w` [N, K] from given hi codes q4 [N, K] and fp16 scales [N, K/128].
+
+    Missing scales come from `weight_scales`. Missing codes are RTN of the W8 code:
+    q8 = clip(round(w/(s/16)), -128, 119) and q4 = floor((q8 + 8)/16), its hi nibble, which is
+    round(w/s) except within s/32 of a midpoint; so the residual below never clips. A missing
+    `residual` (lo codes qr [N, K]) is the RTN residual of the original weight:
+    qr = clip(round((w - q4 s)/(s/16)), -8, 7), kept >= 0 where q4 = -8 (q8 >= -128).
+    """
+    n, k = w.shape
+    s16 = weight_scales(w) if scales is None else np.asarray(scales, dtype=np.float16)
+    s16 = s16.reshape(n, k // GROUP_SIZE)
+    wg = w.astype(np.float32).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    # Codes are computed from the fp16 scale actually stored, so dequantization is consistent.
+    s = s16.astype(np.float32)[..., None]
+    if codes is None:
+        q8 = np.clip(np.round(wg / (s / 16)), -128, 119)
+        q4 = np.floor((q8 + 8) / 16)
+    else:
+        q4 = np.asarray(codes, dtype=np.float32).reshape(wg.shape)
+        if q4.min() < -8 or q4.max() > 7:
+            raise ValueError(f"hi codes must lie in [-8, 7], got [{q4.min()}, {q4.max()}]")
+    raw = np.round((wg - q4 * s) / (s / 16))
+    if residual is None:
+        qr = np.where(q4 == -8, np.clip(raw, 0, 7), np.clip(raw, -8, 7))
+    else:
+        qr = np.asarray(residual, dtype=np.float32).reshape(wg.shape)
+        if qr.min() < -8 or qr.max() > 7 or np.any(qr[q4 == -8] < 0):
+            raise ValueError("lo codes must lie in [-8, 7], and in [0, 7] where q4 = -8")
+    w4 = q4 * s
+    w8 = nested(w4, qr * s)
+    wmax = max(float(np.abs(wg).max()), 1e-30)
+    return Planes(
+        hi=pack_nibbles((q4 + 8).reshape(n, k)),
+        lo=pack_nibbles((qr + 8).reshape(n, k)),
+        scales=s16,
+        saturation=float(np.mean(raw != qr)),
+        w8_max_rel_err=float(np.abs(w8 - wg).max() / wmax),
+        w4_rel_fro_err=float(np.linalg.norm(w4 - wg) / max(np.linalg.norm(wg), 1e-30)),
+    )
+
+
+def dequantize_planes(
+    hi: np.ndarray, lo: np.ndarray, scales: np.ndarray, draft: bool
+) -> np.ndarray:
+    """W4 = q4 s (draft) or W8 = (16 q4 + qr) s / 16 (target), float64 [N, K]."""
+    q4 = unpack_nibbles(np.asarray(hi)).astype(np.float64) - 8
+    s = np.repeat(np.asarray(scales, dtype=np.float64), GROUP_SIZE, axis=-1)
+    if draft:
+        return q4 * s
+    qr = unpack_nibbles(np.asarray(lo)).astype(np.float64) - 8
+    return nested(q4 * s, qr * s)

@@ -1,0 +1,370 @@
+"""Reading and validating a package: every rule of docs/bitnest-package.md a file can break.
+
+Pure I/O: knows the files, tensor names and integer maps, and nothing about the model forward.
+Every refusal is a PackageError naming the file, the tensor and what was expected.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..hadamard import is_power_of_two
+from .files import find_manifest, read_json, read_tensors
+from .layout import ARCHS, DEFAULT_EPS, FORMAT, INDEX_NAME, PackageError, linear_shapes
+from .numerics import GROUP_SIZE, KV_GROUPS
+from .spec import PackageSpec
+
+_NORM_RE = re.compile(r"model\.layers\.\d+\.(input_layernorm|post_attention_layernorm)\.weight")
+_ACT_ORDER_RE = re.compile(r"(g_idx|perm|act_order)")
+
+
+@dataclass
+class Package:
+    """A validated package: its directory, manifest, config (read or derived), the typed model
+    description and the tensors."""
+
+    path: Path
+    manifest: dict
+    config: dict
+    spec: PackageSpec
+    tensors: dict[str, mx.array]
+
+    @property
+    def num_layers(self) -> int:
+        return self.config["num_hidden_layers"]
+
+
+def derive_config(manifest: dict, where: str) -> dict:
+    """Model dims from the manifest's `layers` shapes (head_dim = o_proj activation group = 128)."""
+    layers = manifest["layers"]
+    arch = manifest.get("arch")
+    if arch not in ARCHS:
+        raise PackageError(f"{where}: unknown arch {arch!r}, expected one of {ARCHS}")
+
+    def shape(name: str) -> list[int]:
+        if name not in layers:
+            raise PackageError(f"{where}: layers has no entry {name}")
+        return layers[name]["shape"]
+
+    n_layers = 1 + max(
+        (int(m.group(1)) for k in layers if (m := re.match(r"model\.layers\.(\d+)\.", k))),
+        default=-1,
+    )
+    head_dim = GROUP_SIZE
+    q, k = shape("model.layers.0.self_attn.q_proj"), shape("model.layers.0.self_attn.k_proj")
+    rope = manifest.get("rope") or {}
+    return {
+        "model_type": "bitnest",
+        "arch": arch,
+        "hidden_size": q[1],
+        "num_hidden_layers": n_layers,
+        "intermediate_size": shape("model.layers.0.mlp.gate_proj")[0],
+        "num_attention_heads": q[0] // head_dim,
+        "num_key_value_heads": k[0] // head_dim,
+        "head_dim": head_dim,
+        "vocab_size": shape("lm_head")[0],
+        "rms_norm_eps": DEFAULT_EPS[arch],
+        "rope_theta": rope.get("theta", 10000.0),
+        "rope_scaling": rope.get("scaling"),
+        "max_position_embeddings": rope.get("max_position_embeddings", 4096),
+        "tie_word_embeddings": False,
+    }
+
+
+_CONFIG_DIMS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+)
+
+
+def _check_manifest(manifest: dict, f: Path) -> None:
+    """Manifest-only rules: format, arch, group size and the well-formedness of `layers`."""
+    if manifest.get("format") != FORMAT:
+        raise PackageError(f"{f}: format is {manifest.get('format')!r}, expected {FORMAT!r}")
+    if manifest.get("arch") not in ARCHS:
+        raise PackageError(f"{f}: unknown arch {manifest.get('arch')!r}, expected one of {ARCHS}")
+    if manifest.get("group_size", GROUP_SIZE) != GROUP_SIZE:
+        raise PackageError(f"{f}: group_size {manifest['group_size']}, expected {GROUP_SIZE}")
+    layers = manifest.get("layers")
+    if not isinstance(layers, dict) or not layers:
+        raise PackageError(f"{f}: expected a non-empty 'layers' object (Linear name -> shape)")
+    for name, entry in layers.items():
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not (
+            isinstance(shape, list)
+            and len(shape) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in shape)
+        ):
+            raise PackageError(
+                f"{f}: {name}: shape is {shape!r}, expected [N, K] (two positive integers)"
+            )
+        k = shape[1]
+        if k % GROUP_SIZE:
+            raise PackageError(
+                f"{f}: {name}: K = {k}, expected a multiple of {GROUP_SIZE} "
+                f"(one scale per {GROUP_SIZE} columns)"
+            )
+        if entry.get("groups", k // GROUP_SIZE) != k // GROUP_SIZE:
+            raise PackageError(
+                f"{f}: {name}: groups = {entry['groups']!r}, expected K/{GROUP_SIZE} = "
+                f"{k // GROUP_SIZE}"
+            )
+        if not isinstance(entry.get("has_bias", False), bool):
+            raise PackageError(f"{f}: {name}: has_bias = {entry['has_bias']!r}, expected a bool")
+    kv_group = (manifest.get("kv") or {}).get("group")
+    if kv_group is not None and kv_group not in KV_GROUPS:
+        raise PackageError(
+            f"{f}: kv.group = {kv_group!r}, expected one of {KV_GROUPS} (MLX's group sizes)"
+        )
+    if (manifest.get("kv") or {}).get("per_channel_offset") == "k_bias":
+        unbiased = [n for n, e in layers.items() if n.endswith("k_proj") and not e.get("has_bias")]
+        if unbiased:
+            raise PackageError(
+                f"{f}: kv.per_channel_offset is 'k_bias' but {unbiased[0]} has no bias"
+            )
+
+
+def _load_config(path: Path, manifest: dict, manifest_file: Path) -> dict:
+    derived = derive_config(manifest, str(manifest_file))
+    f = path / "config.json"
+    if not f.is_file():
+        warnings.warn(
+            f"{path}: no config.json; dims derived from the manifest, "
+            f"rms_norm_eps = {derived['rms_norm_eps']} ({derived['arch']} default)",
+            stacklevel=3,
+        )
+        return derived
+    config = read_json(f)
+    if config.get("model_type") != "bitnest":
+        raise PackageError(f'{f}: model_type is {config.get("model_type")!r}, expected "bitnest"')
+    for key in ("quantization", "quantization_config"):
+        if key in config:
+            # mlx-lm would re-quantize the model from this key; the planes are the quantization.
+            raise PackageError(f"{f}: has a {key!r} key; expected none in a bitnest config")
+    if config.get("arch", derived["arch"]) != derived["arch"]:
+        raise PackageError(
+            f"{f}: arch {config['arch']!r} disagrees with the manifest's {derived['arch']!r}"
+        )
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    head_dim = config.get("head_dim")
+    if head_dim is None and isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
+        head_dim = hidden // heads
+    if not isinstance(head_dim, int) or head_dim <= 0:
+        raise PackageError(f"{f}: expected head_dim, or hidden_size and num_attention_heads")
+    if config.get("num_key_value_heads") is None:  # HF default: no grouped-query attention
+        config["num_key_value_heads"] = heads
+    # Head counts follow from the q/k output widths once head_dim is known.
+    layers = manifest["layers"]
+    q_out = layers["model.layers.0.self_attn.q_proj"]["shape"][0]
+    kv_out = layers["model.layers.0.self_attn.k_proj"]["shape"][0]
+    derived.update(
+        head_dim=head_dim,
+        num_attention_heads=q_out // head_dim,
+        num_key_value_heads=kv_out // head_dim,
+    )
+    for key in _CONFIG_DIMS:
+        if config.get(key) != derived[key]:
+            raise PackageError(
+                f"{f}: {key} = {config.get(key)} but the layer shapes in {manifest_file.name} "
+                f"imply {derived[key]}"
+            )
+    return {**derived, **config, "arch": derived["arch"]}
+
+
+def _check_linears(manifest: dict, config: dict, f: Path, dims_from: str) -> dict:
+    """Every Linear the dims imply is listed with that shape, and nothing else is listed."""
+    layers = manifest["layers"]
+    expected = linear_shapes(config)
+    for name, shape in expected.items():
+        if name not in layers:
+            raise PackageError(f"{f}: layers has no entry {name} (expected shape {list(shape)})")
+        if tuple(layers[name]["shape"]) != shape:
+            raise PackageError(
+                f"{f}: {name}: shape {layers[name]['shape']} but {dims_from} implies {list(shape)}"
+            )
+    for name in layers:
+        if name not in expected:
+            raise PackageError(
+                f"{f}: layers lists {name}, which is not a Linear of this "
+                f"{config['num_hidden_layers']}-layer model (expected the 7 Linears of each "
+                "layer and lm_head)"
+            )
+    return expected
+
+
+def _had_k_needed(manifest: dict, config: dict, f: Path) -> dict[int, str]:
+    """{K: first down_proj using it} for every K > 1 in online_hadamard, entries validated."""
+    entries = (manifest.get("online_hadamard") or {}).get("layers") or {}
+    if not isinstance(entries, dict):
+        raise PackageError(f"{f}: online_hadamard.layers: expected an object (down_proj -> K)")
+    n = config["intermediate_size"]
+    downs = {f"model.layers.{i}.mlp.down_proj" for i in range(config["num_hidden_layers"])}
+    needed: dict[int, str] = {}
+    for layer, entry in entries.items():
+        if layer not in downs:
+            raise PackageError(
+                f"{f}: online_hadamard lists {layer}; expected only this model's down_proj "
+                "layers (R4 acts on the down_proj input)"
+            )
+        k = entry.get("K", 1) if isinstance(entry, dict) else None
+        if not isinstance(k, int) or k < 1 or n % k or not is_power_of_two(n // k):
+            raise PackageError(
+                f"{f}: online_hadamard {layer}: K = {k!r}, expected K with intermediate_size "
+                f"{n} = K·2^k"
+            )
+        if k > 1:
+            needed.setdefault(k, layer)
+    return needed
+
+
+def _dt(dtype) -> str:
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    return " or ".join(str(d).removeprefix("mlx.core.") for d in dtypes)
+
+
+def _fail(f: Path, name: str, msg: str) -> PackageError:
+    return PackageError(f"{f}: tensor {name}: {msg}")
+
+
+class _Tensors:
+    """A package's tensors, the file each came from, and the ones validation accounted for."""
+
+    def __init__(self, found: dict[str, tuple[Path, mx.array]], source: Path):
+        self.found = found
+        self.source = source  # named when a tensor is missing: model.safetensors or the index
+        self.used: set[str] = set()
+
+    def file(self, name: str) -> Path:
+        return self.found[name][0]
+
+    def expect(self, name: str, dtype, shape: tuple[int, ...], why: str = "") -> mx.array:
+        """The tensor, after checking it exists with this dtype (or one of them) and shape."""
+        want = f"{_dt(dtype)} {list(shape)}"
+        if name not in self.found:
+            raise PackageError(f"{self.source}: missing tensor {name} (expected {want}{why})")
+        f, a = self.found[name]
+        if a.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
+            raise _fail(f, name, f"dtype {_dt(a.dtype)} but expected {want}")
+        if tuple(a.shape) != tuple(shape):
+            raise _fail(f, name, f"shape {list(a.shape)} but expected {want}")
+        self.used.add(name)
+        return a
+
+
+def _check_low_codes(f: Path, name: str, hi: mx.array, lo: mx.array) -> None:
+    """u_lo must be >= 8 where u_hi == 0, else q8 = 16 q4 + qr < -128 (not an int8 code)."""
+    bad_even = ((hi & 0xF) == 0) & ((lo & 0xF) < 8)  # column 2j: low nibbles
+    bad_odd = ((hi >> 4) == 0) & ((lo >> 4) < 8)  # column 2j+1: high nibbles
+    if mx.any(bad_even | bad_odd).item():
+        cols = np.stack([np.array(bad_even), np.array(bad_odd)], -1).reshape(hi.shape[0], -1)
+        row, col = (int(i) for i in np.argwhere(cols)[0])
+        raise _fail(
+            f,
+            name,
+            f"int8 code below -128 at row {row}, column {col}: expected u_lo >= 8 (qr >= 0) "
+            "where u_hi == 0 (q4 = -8)",
+        )
+
+
+def _check_had_k(f: Path, name: str, h: mx.array) -> None:
+    hn = np.array(h, dtype=np.float64)
+    k = hn.shape[0]
+    if not np.all(np.abs(hn) == 1):
+        raise _fail(f, name, "expected every entry to be +1 or -1")
+    if not np.array_equal(hn @ hn.T, k * np.eye(k)):
+        raise _fail(f, name, f"not a Hadamard matrix: expected H·Hᵀ = {k}·I")
+
+
+def _check_norm(f: Path, name: str, a: mx.array, d: int) -> None:
+    """Norm weights are ~1 in a fused package; the final one is never applied, so only a warning."""
+    if tuple(a.shape) != (d,):
+        raise _fail(f, name, f"shape {list(a.shape)} but expected [{d}]")
+    if np.allclose(np.array(a.astype(mx.float32)), 1.0, atol=1e-3):
+        return
+    if name == "model.norm.weight":
+        warnings.warn(
+            f"{f}: tensor {name} is not ~1; it is not applied (the final norm is fused into "
+            "lm_head)",
+            stacklevel=3,
+        )
+        return
+    raise _fail(
+        f,
+        name,
+        "norm weight is not ~1, so the package is unfused (expected RMSNorm weights folded into "
+        "the following Linears and ones stored)",
+    )
+
+
+def read(path: str | Path) -> Package:
+    """Read and validate a package directory; PackageError names file, tensor, expectation."""
+    path = Path(path)
+    manifest_file = find_manifest(path)
+    manifest = read_json(manifest_file)
+    _check_manifest(manifest, manifest_file)
+    config = _load_config(path, manifest, manifest_file)
+    kv_group = (manifest.get("kv") or {}).get("group", config["head_dim"])
+    if config["head_dim"] % kv_group:
+        raise PackageError(
+            f"{manifest_file}: kv.group = {kv_group} does not divide head_dim {config['head_dim']}"
+        )
+    has_config = (path / "config.json").is_file()
+    dims_from = "config.json" if has_config else f"the layer-0 shapes in {manifest_file.name}"
+    linears = _check_linears(manifest, config, manifest_file, dims_from)
+    had_k = _had_k_needed(manifest, config, manifest_file)
+
+    index = path / INDEX_NAME
+    tensors = _Tensors(read_tensors(path), index if index.is_file() else path / "model.safetensors")
+    # Act-order first: such a package usually breaks other rules too, and this is the real cause.
+    for name, (f, _) in tensors.found.items():
+        if _ACT_ORDER_RE.search(name):
+            raise _fail(
+                f,
+                name,
+                "act-order / permutation tensors are not supported (expected groups of "
+                f"{GROUP_SIZE} contiguous columns)",
+            )
+    for name, (n, k) in linears.items():
+        hi = tensors.expect(f"{name}.hi", mx.uint8, (n, k // 2))
+        lo = tensors.expect(f"{name}.lo", mx.uint8, (n, k // 2))
+        tensors.expect(f"{name}.scales", mx.float16, (n, k // GROUP_SIZE))
+        if manifest["layers"][name].get("has_bias"):
+            why = f"; {manifest_file.name} says has_bias: true"
+            tensors.expect(f"{name}.bias", (mx.float16, mx.float32), (n,), why)
+        _check_low_codes(tensors.file(f"{name}.lo"), f"{name}.lo", hi, lo)
+
+    d, v = config["hidden_size"], config["vocab_size"]
+    tensors.expect("model.embed_tokens.weight", mx.bfloat16, (v, d))
+    for k, layer in had_k.items():
+        name = f"aux.had_K.{k}"
+        why = f"; {manifest_file.name} gives {layer} K = {k}"
+        h = tensors.expect(name, mx.float32, (k, k), why)
+        _check_had_k(tensors.file(name), name, h)
+
+    for name, (f, a) in tensors.found.items():
+        if name in tensors.used:
+            continue
+        if name == "model.norm.weight" or _NORM_RE.fullmatch(name):
+            _check_norm(f, name, a, d)
+            continue
+        if name.endswith(".bias") and name.removesuffix(".bias") in linears:
+            raise _fail(
+                f,
+                name,
+                f"unexpected bias: {manifest_file.name} says has_bias: false for "
+                f"{name.removesuffix('.bias')}",
+            )
+        raise _fail(f, name, "unexpected tensor (not part of bitnest-package-v1)")
+
+    spec = PackageSpec.from_package(manifest, config)
+    return Package(path, manifest, config, spec, {k: a for k, (_, a) in tensors.found.items()})

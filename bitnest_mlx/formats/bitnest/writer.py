@@ -1,0 +1,182 @@
+"""Writing a package from quantized planes: safetensors, manifest, config.json, tokenizer files.
+
+The float side (norm folding, R4 fusion, choosing codes) is the converter's
+(`bitnest_mlx.convert.package.write_package`); this module only lays out what it is given.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .layout import DEFAULT_EPS, FORMAT, LAYER_LINEARS, TOKENIZER_FILES, linear_shapes
+from .numerics import GROUP_SIZE, Planes
+
+
+def _manifest(
+    config: dict,
+    arch: str,
+    name: str,
+    source: str | None,
+    linears: dict,
+    lm_head: Planes,
+    k: int,
+    r3: bool,
+    kv_group: int | None,
+) -> dict:
+    n_layers, head_dim = config["num_hidden_layers"], config["head_dim"]
+    per_layer_group = {
+        f"model.layers.{i}.{lin}": head_dim if lin.endswith("o_proj") else -1
+        for i in range(n_layers)
+        for lin in LAYER_LINEARS
+    }
+    return {
+        "format": FORMAT,
+        "model": name,
+        "arch": arch,
+        "source_model": source,
+        "rotation": None,
+        "group_size": GROUP_SIZE,
+        "pack": "unsigned+8",
+        "weight_planes": {
+            "hi": "W4 code q4 in [-8,7] (RTN unless 'conversion' says otherwise), u = q4+8",
+            "lo": "signed residual qr in [-8,7] (in [0,7] where q4 = -8), stored as u = qr+8",
+            "byte_layout": "uint8 [N, K/2]: low nibble of byte j = column 2j, high = column 2j+1",
+            "draft": "W4 = (hi-8) * scale (scale fp16 [N,K/128], one group per 128 columns)",
+            "target": "W8 = (16*(hi-8) + (lo-8)) * scale/16",
+            "int8_code": "q8 = 16*q4 + qr in [-128,119]",
+        },
+        "activation": {
+            "scheme": "symmetric int8, clip 1.0, per token (amax/127); o_proj input grouped per "
+            f"head_dim={head_dim} per token",
+            "per_layer_group": per_layer_group,
+        },
+        "online_hadamard": {
+            "note": "R4: down_proj input gets a block Hadamard (K x 2^k, hadK in aux.had_K.<K>, "
+            "normalised by 1/sqrt(dim)); no R1/R2 rotation in this package",
+            "layers": {
+                f"model.layers.{i}.mlp.down_proj": {"K": k, "fp32": False} for i in range(n_layers)
+            },
+        },
+        "norms": {
+            "fused": True,
+            "decoder_norms_identity": True,
+            "note": "RMSNorm weights folded into the following Linears; final norm folded into "
+            "lm_head, model.norm.weight saved as ones",
+        },
+        "kv": {
+            "nesting": "per token and kv.group values of a head: s = max|x|/7, "
+            "q4 = clip(round(x/s)), qr = clip(round((x - q4 s)/(s/16))); "
+            "draft reads q4 (KV4), target 16q4+qr (KV8)",
+            # Qwen2's k bias dominates K's per-token scale: K is cached without it (see models).
+            "per_channel_offset": (
+                "k_bias" if linears["model.layers.0.self_attn.k_proj"]["has_bias"] else "none"
+            ),
+            "r3": r3,
+            **({"group": kv_group} if kv_group else {}),
+        },
+        "rope": {
+            "theta": config.get("rope_theta", 10000.0),
+            "scaling": config.get("rope_scaling"),
+            "max_position_embeddings": config.get("max_position_embeddings", 4096),
+        },
+        "layers": linears,
+        "embed_note": "embed_tokens is the source embedding rounded to bf16 (no rotation)",
+        "reference": {
+            "loader": "bitnest_mlx.formats.bitnest.dequantize_planes",
+            "gpu_runner": "bitnest_mlx.generate",
+        },
+        "lm_head_note": (
+            "lm_head is a dual plane (W4 + residual, gs128): draft reads W4, target W8, "
+            f"activations A8 per token; residual saturation {100 * lm_head.saturation:.4f}%, "
+            f"W8 max relative error {lm_head.w8_max_rel_err:.2e}, W4 relative Frobenius error "
+            f"{lm_head.w4_rel_fro_err:.3f}; final norm folded in"
+        ),
+    }
+
+
+def write(
+    out_dir: str | Path,
+    config: dict,
+    planes: dict[str, Planes],
+    *,
+    biases: dict[str, np.ndarray],
+    embed: np.ndarray,
+    had_k: np.ndarray | None,
+    tokenizer_dir: str | Path | None = None,
+    name: str | None = None,
+    source_model: str | None = None,
+    notes: dict | None = None,
+    r3: bool = False,
+    kv_group: int | None = None,
+) -> Path:
+    """Lay out a package: `planes` of every Linear (layers in order, lm_head last; down_proj with
+    R4 fused by `had_k`, or None when intermediate_size is a power of two), their `biases`, the
+    float `embed` (stored bf16) and an HF-style `config` with head_dim and rope keys resolved.
+
+    `notes` (JSON-able) is recorded in the manifest as `conversion`; `r3` turns on the per-head
+    Hadamard of q and k before the KV cache and `kv_group` sets the KV scale group (default
+    head_dim).
+    """
+    arch = config["model_type"]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, mx.array] = {}
+    linears: dict[str, dict] = {}
+    for lin, shape in linear_shapes(config).items():
+        p = planes[lin]
+        tensors[f"{lin}.hi"] = mx.array(p.hi)
+        tensors[f"{lin}.lo"] = mx.array(p.lo)
+        tensors[f"{lin}.scales"] = mx.array(p.scales)
+        bias = biases.get(lin)
+        if bias is not None:
+            tensors[f"{lin}.bias"] = mx.array(np.asarray(bias, dtype=np.float32))
+        linears[lin] = {
+            "shape": list(shape),
+            "groups": shape[1] // GROUP_SIZE,
+            "has_bias": bias is not None,
+        }
+    tensors["model.embed_tokens.weight"] = mx.array(np.asarray(embed, np.float32)).astype(
+        mx.bfloat16
+    )
+    tensors["model.norm.weight"] = mx.ones((config["hidden_size"],), dtype=mx.float32)
+    k = 1 if had_k is None else had_k.shape[0]
+    if had_k is not None:
+        tensors[f"aux.had_K.{k}"] = mx.array(had_k.astype(np.float32))
+    mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
+
+    manifest = _manifest(
+        config, arch, name or out.name, source_model, linears, planes["lm_head"], k, r3, kv_group
+    )
+    if notes is not None:
+        manifest["conversion"] = notes
+    (out / "bitnest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+    package_config = {
+        "model_type": "bitnest",
+        "arch": arch,
+        "hidden_size": config["hidden_size"],
+        "num_hidden_layers": config["num_hidden_layers"],
+        "intermediate_size": config["intermediate_size"],
+        "num_attention_heads": config["num_attention_heads"],
+        "num_key_value_heads": config["num_key_value_heads"],
+        "head_dim": config["head_dim"],
+        "vocab_size": config["vocab_size"],
+        "rms_norm_eps": config.get("rms_norm_eps", DEFAULT_EPS[arch]),
+        "rope_theta": config.get("rope_theta", 10000.0),
+        "rope_scaling": config.get("rope_scaling"),
+        "max_position_embeddings": config.get("max_position_embeddings", 4096),
+        "tie_word_embeddings": False,
+    }
+    for key in ("bos_token_id", "eos_token_id"):
+        if config.get(key) is not None:
+            package_config[key] = config[key]
+    (out / "config.json").write_text(json.dumps(package_config, indent=2) + "\n")
+    if tokenizer_dir is not None:
+        for fname in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / fname).is_file():
+                shutil.copy(Path(tokenizer_dir) / fname, out / fname)
+    return out

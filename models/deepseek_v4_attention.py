@@ -1,0 +1,119 @@
+"""The compressed branch of DeepSeek-V4 attention: the Compressor and the lightning Indexer.
+
+Kept apart from models/deepseek_v4.py so that file reads as the block-level math. These take
+plain sizes rather than `ModelArgs`, so they import nothing from the model module (no cycle).
+Parameter names (`wkv`, `wgate`, `ape`, `norm`, `wq_b`, `weights_proj`, `compressor`) are the
+official checkpoint names under `layers.L.attn.{compressor,indexer}`.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from bitnest_mlx.layers.dsv4_cache import CompressorPool
+from bitnest_mlx.layers.dsv4_ops import PartialRoPE, hadamard_fp4
+
+
+class Compressor(nn.Module):
+    """Gated pooling of `ratio` rows into one entry (ratio 4: 8 overlapping rows), per channel."""
+
+    def __init__(self, dim: int, ratio: int, head_dim: int, eps: float, rope: PartialRoPE):
+        super().__init__()
+        self.ratio, self.head_dim = ratio, head_dim
+        width = head_dim * (2 if ratio == 4 else 1)
+        self.wkv = nn.Linear(dim, width, bias=False)
+        self.wgate = nn.Linear(dim, width, bias=False)
+        self.ape = mx.zeros((ratio, width))
+        self.norm = nn.RMSNorm(head_dim, eps=eps)
+        self._rope = rope  # shared with the attention; not a parameter
+
+    def __call__(self, x: mx.array, pool: CompressorPool, offset: int) -> mx.array:
+        """Feed positions offset.. offset+L-1; return all entries so far [B, n, head_dim]."""
+        B, L, _ = x.shape
+        r = self.ratio
+        kv = self.wkv(x).astype(mx.float32)
+        gate = self.wgate(x).astype(mx.float32) + self.ape[(offset + mx.arange(L)) % r]
+        if pool.kv is None:
+            pool.kv, pool.gate, pool.start = kv, gate, offset
+        else:
+            pool.kv = mx.concatenate([pool.kv, kv], axis=1)
+            pool.gate = mx.concatenate([pool.gate, gate], axis=1)
+        first, last = pool.num_entries, (offset + L) // r
+        if last > first:
+            new = self._pool_blocks(pool, first, last)
+            pool.entries = new if pool.entries is None else mx.concatenate([pool.entries, new], 1)
+        if pool.entries is None:
+            return mx.zeros((B, 0, self.head_dim), dtype=x.dtype)
+        return pool.entries
+
+    def _pool_blocks(self, pool: CompressorPool, first: int, last: int) -> mx.array:
+        r, d = self.ratio, self.head_dim
+        B, m = pool.kv.shape[0], last - first
+        lo = max(first - int(pool.overlap), 0) * r - pool.start
+        kv = pool.kv[:, lo : last * r - pool.start]
+        gate = pool.gate[:, lo : last * r - pool.start]
+        kv, gate = kv.reshape(B, -1, r, kv.shape[-1]), gate.reshape(B, -1, r, gate.shape[-1])
+        if pool.overlap:
+            if first == 0:  # entry 0 has no previous block: zero rows with zero weight
+                kv = mx.concatenate([mx.zeros_like(kv[:, :1]), kv], axis=1)
+                gate = mx.concatenate([mx.full(gate[:, :1].shape, -mx.inf), gate], axis=1)
+            # Entry j pools the first half of block j-1's rows with the second half of block j's.
+            kv = mx.concatenate([kv[:, :m, :, :d], kv[:, 1:, :, d:]], axis=2)
+            gate = mx.concatenate([gate[:, :m, :, :d], gate[:, 1:, :, d:]], axis=2)
+        pooled = (mx.softmax(gate, axis=2, precise=True) * kv).sum(axis=2)
+        pooled = self.norm(pooled)
+        # Entry j is rotated at its block's first position j·ratio.
+        return self._rope(pooled[:, None], offset=first, scale=float(r))[:, 0]
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: picks the top-k compressed entries per query on ratio-4 layers."""
+
+    def __init__(
+        self,
+        dim: int,
+        q_lora_rank: int,
+        n_heads: int,
+        head_dim: int,
+        topk: int,
+        eps: float,
+        rope: PartialRoPE,
+    ):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.weights_proj = nn.Linear(dim, n_heads, bias=False)
+        self.compressor = Compressor(dim, 4, head_dim, eps, rope)
+        self._rope = rope
+
+    def __call__(
+        self,
+        x: mx.array,
+        qr: mx.array,
+        pool: CompressorPool,
+        offset: int,
+        visible: mx.array,
+        qat: bool,
+    ) -> mx.array:
+        """visible [1, L, N] -> [B or 1, L, N]: the entries each query attends to."""
+        B, L, _ = x.shape
+        keys = self.compressor(x, pool, offset)
+        if keys.shape[1] <= self.topk:
+            return visible  # the top-k of at most k entries is all of them
+        q = self.wq_b(qr).reshape(B, L, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
+        q = self._rope(q, offset=offset)
+        if qat:
+            q, keys = hadamard_fp4(q), hadamard_fp4(keys)
+        scores = mx.maximum(q.astype(mx.float32) @ keys[:, None].swapaxes(-1, -2), 0)
+        w = self.weights_proj(x).astype(mx.float32) * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        score = (scores * w.transpose(0, 2, 1)[..., None]).sum(axis=1)  # [B, L, N]
+        score = mx.where(visible, score, -mx.inf)
+        top = mx.argpartition(-score, self.topk - 1, axis=-1)[..., : self.topk]
+        chosen = mx.put_along_axis(
+            mx.zeros(score.shape, dtype=mx.bool_), top, mx.array(True), axis=-1
+        )
+        return chosen & visible
+
+
+__all__ = ["Compressor", "Indexer"]

@@ -1,0 +1,372 @@
+"""Every test model builder: seeded float weights, tiny packages, tiny transformers models,
+and helpers to break packages.
+
+The packages are real `write_package` output (hidden 256, head_dim 128), small enough to build
+in well under a second, so every test can work on its own copy. torch and transformers are
+imported only by the builders that need them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from bitnest_mlx.convert import write_package
+from bitnest_mlx.formats import bitnest
+
+# Llama 3 style rope scaling, so a written manifest's rope block has every key the seed has.
+LLAMA3_ROPE = {
+    "factor": 32.0,
+    "high_freq_factor": 4.0,
+    "low_freq_factor": 1.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+}
+
+
+def float_weights(
+    arch: str = "llama",
+    *,
+    n_layers: int = 2,
+    hidden: int = 256,
+    intermediate: int = 512,
+    heads: int = 2,
+    kv_heads: int = 1,
+    head_dim: int = 128,
+    vocab: int = 257,
+    seed: int = 0,
+    llama3_rope: bool = True,
+) -> tuple[dict[str, np.ndarray], dict]:
+    """HF-named float32 weights and an HF config for a tiny Llama or Qwen2.
+
+    Norm gammas are random (not 1) so that folding them into the Linears is observable; Qwen2
+    gets q/k/v biases; lm_head is untied Gaussian (RTN statistics are known for it). Llama gets
+    Llama 3 rope scaling unless `llama3_rope` is False.
+    """
+    rng = np.random.default_rng(seed)
+    config = {
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-5 if arch == "llama" else 1e-6,
+        "rope_theta": 500000.0 if arch == "llama" else 1000000.0,
+        "rope_scaling": dict(LLAMA3_ROPE) if arch == "llama" and llama3_rope else None,
+        "max_position_embeddings": 2048,
+    }
+    q, kv = heads * head_dim, kv_heads * head_dim
+    w = {
+        "model.embed_tokens.weight": rng.normal(0, 1, (vocab, hidden)),
+        "lm_head.weight": rng.normal(0, 0.02, (vocab, hidden)),
+        "model.norm.weight": rng.uniform(0.5, 1.5, hidden),
+    }
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        for name, shape in (
+            ("self_attn.q_proj", (q, hidden)),
+            ("self_attn.k_proj", (kv, hidden)),
+            ("self_attn.v_proj", (kv, hidden)),
+            ("self_attn.o_proj", (hidden, q)),
+            ("mlp.gate_proj", (intermediate, hidden)),
+            ("mlp.up_proj", (intermediate, hidden)),
+            ("mlp.down_proj", (hidden, intermediate)),
+        ):
+            w[f"{p}{name}.weight"] = rng.normal(0, 0.02, shape)
+        if arch == "qwen2":
+            for name, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                w[f"{p}self_attn.{name}.bias"] = rng.normal(0, 0.1, n)
+        w[p + "input_layernorm.weight"] = rng.uniform(0.5, 1.5, hidden)
+        w[p + "post_attention_layernorm.weight"] = rng.uniform(0.5, 1.5, hidden)
+    return {k: v.astype(np.float32) for k, v in w.items()}, config
+
+
+def make_package(
+    out: Path, arch: str = "llama", *, tokenizer: bool = False, **dims
+) -> tuple[Path, dict[str, np.ndarray], dict]:
+    """Write a package to `out`; returns (path, the float weights, the HF config).
+
+    With `tokenizer`, the demo's byte-level tokenizer is written too (its vocab is 257), so the
+    package also loads through `bitnest_mlx.load`.
+    """
+    from bitnest_mlx.demo import write_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer:
+        dims["vocab"] = write_tokenizer(out)
+    weights, config = float_weights(arch, **dims)
+    write_package(out, weights, config, name=f"tiny-{arch}", source_model="tests.factory")
+    return out, weights, config
+
+
+def copy_package(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def load_tensors(pkg: Path, file: str = "model.safetensors") -> dict[str, mx.array]:
+    return dict(mx.load(str(pkg / file)))
+
+
+def save_tensors(pkg: Path, tensors: dict[str, mx.array], file: str = "model.safetensors") -> None:
+    mx.save_safetensors(str(pkg / file), tensors, metadata={"format": "mlx"})
+
+
+def edit_tensors(pkg: Path, edit: Callable[[dict[str, mx.array]], None]) -> None:
+    """Rewrite model.safetensors after `edit` mutates the name -> array dict in place."""
+    tensors = load_tensors(pkg)
+    edit(tensors)
+    save_tensors(pkg, tensors)
+
+
+def read_json(pkg: Path, file: str) -> dict:
+    return json.loads((pkg / file).read_text(encoding="utf-8"))
+
+
+def edit_json(pkg: Path, file: str, edit: Callable[[dict], None]) -> None:
+    """Rewrite a JSON file of the package after `edit` mutates it in place."""
+    data = read_json(pkg, file)
+    edit(data)
+    (pkg / file).write_text(json.dumps(data, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+def shard(pkg: Path, n_shards: int = 2) -> dict[str, str]:
+    """Split model.safetensors into HF-style shards plus model.safetensors.index.json."""
+    tensors = load_tensors(pkg)
+    names = sorted(tensors)
+    weight_map = {}
+    for s in range(n_shards):
+        file = f"model-{s + 1:05d}-of-{n_shards:05d}.safetensors"
+        part = names[s::n_shards]
+        save_tensors(pkg, {n: tensors[n] for n in part}, file)
+        weight_map.update(dict.fromkeys(part, file))
+    (pkg / "model.safetensors").unlink()
+    index = {"metadata": {}, "weight_map": weight_map}
+    (pkg / bitnest.INDEX_NAME).write_text(json.dumps(index, indent=2), encoding="utf-8")
+    return weight_map
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny transformers models (torch), for conversion and perplexity tests
+
+VOCAB = 300
+
+
+def tiny_dims(layers: int = 2) -> dict:
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=384,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+    )
+
+
+def tiny_hf(arch: str, seed: int = 0):
+    """A tiny random transformers model with non-trivial norm weights."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    common = tiny_dims()
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(
+            **common,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+        )
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.tensor(rng.uniform(0.5, 1.5, p.shape), dtype=torch.float32))
+            elif name.endswith("bias"):
+                p.copy_(torch.tensor(rng.normal(0, 0.1, p.shape), dtype=torch.float32))
+    return model.eval()
+
+
+def state(model) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def config_dict(model) -> dict:
+    c = model.config.to_dict()
+    c["head_dim"] = 128
+    if c.get("rope_scaling") is None and c.get("rope_parameters"):
+        params = c["rope_parameters"]
+        c["rope_theta"] = params.get("rope_theta", c.get("rope_theta", 10000.0))
+        c["rope_scaling"] = params if params.get("rope_type") not in (None, "default") else None
+    return c
+
+
+# ---------------------------------------------------------------------------------------------
+# A random package for speculative-decoding tests (uniform norms, optional lm_head outliers)
+
+
+def tiny_package(out: Path, seed: int, vocab: int = VOCAB, layers: int = 1, outlier: float = 1.0):
+    """A random hidden-256 Llama package. `outlier` scales two lm_head columns: a larger group
+    maximum coarsens the W4 plane much more than W8, pulling the draft away from the target."""
+    rng = np.random.default_rng(seed)
+    d, inter = 256, 512
+    config = dict(
+        model_type="llama",
+        hidden_size=d,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        vocab_size=vocab,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=1024,
+    )
+    head = rng.normal(0, d**-0.5, (vocab, d))
+    head[:, [0, 128]] *= outlier
+    w = {
+        "model.embed_tokens.weight": rng.normal(0, 1, (vocab, d)),
+        "lm_head.weight": head,
+        "model.norm.weight": np.ones(d),
+    }
+    shapes = {
+        "self_attn.q_proj": (256, d),
+        "self_attn.k_proj": (128, d),
+        "self_attn.v_proj": (128, d),
+        "self_attn.o_proj": (d, 256),
+        "mlp.gate_proj": (inter, d),
+        "mlp.up_proj": (inter, d),
+        "mlp.down_proj": (d, inter),
+    }
+    for i in range(layers):
+        for name, shape in shapes.items():
+            w[f"model.layers.{i}.{name}.weight"] = rng.normal(0, 0.06, shape)
+        w[f"model.layers.{i}.input_layernorm.weight"] = np.ones(d)
+        w[f"model.layers.{i}.post_attention_layernorm.weight"] = np.ones(d)
+    out.mkdir(parents=True, exist_ok=True)
+    from bitnest_mlx.demo import write_tokenizer
+
+    write_tokenizer(out)  # `load` wants a tokenizer; these tests work on token ids
+    write_package(out, {k: v.astype(np.float32) for k, v in w.items()}, config)
+    import bitnest_mlx
+
+    model, _ = bitnest_mlx.load(out)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Parity cases against transformers: one Llama with R4 K = 12, one Qwen2 with K = 1
+
+
+HIDDEN, LAYERS = 256, 2
+
+# Small original context so that, at positions 0..7, most RoPE pairs fall in llama3's scaled
+# (wavelength > 32) or interpolated (8..32) bands: an ignored scaling changes the logits.
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+
+@dataclass
+class Case:
+    arch: str
+    intermediate: int
+    r4_k: int  # the K the writer must pick for this intermediate size
+
+
+CASES = {
+    "llama-K12": Case("llama", 384, 12),  # 384 = 12 * 32: ships aux.had_K.12
+    "qwen2-K1": Case("qwen2", 512, 1),  # power of two: plain Walsh-Hadamard, no aux tensor
+}
+
+
+def hf_config(case: Case, tied: bool):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=case.intermediate,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        attn_implementation="eager",
+    )
+    if case.arch == "llama":
+        return LlamaConfig(
+            **common, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=LLAMA3_SCALING
+        )
+    return Qwen2Config(**common, rms_norm_eps=1e-6, rope_theta=1e6, use_sliding_window=False)
+
+
+def writer_config(case: Case) -> dict:
+    """The dims the writer needs, spelled out with top-level rope_theta / rope_scaling as HF
+    config.json files have them (the transformers 5 `to_dict()` form is tested separately)."""
+    cfg = hf_config(case, tied=True)
+    rope = dict(cfg.rope_parameters)
+    theta = rope.pop("rope_theta")
+    return {
+        "model_type": case.arch,
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": case.intermediate,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 128,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": theta,
+        "rope_scaling": rope if rope.get("rope_type") != "default" else None,
+        "max_position_embeddings": 256,
+    }
+
+
+def random_source_weights(case: Case, seed: int) -> dict[str, np.ndarray]:
+    """Seeded float32 weights with HF names. Scales chosen so logits are O(1) and attention is
+    peaked (q/k larger), so the 1e-4 tolerance is small against every effect being tested."""
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
+    rng = np.random.default_rng(seed)
+    model = (LlamaForCausalLM if case.arch == "llama" else Qwen2ForCausalLM)(
+        hf_config(case, tied=case.arch == "llama")
+    )
+    std = {"q_proj": 0.08, "k_proj": 0.08, "embed_tokens": 0.1, "lm_head": 0.1}
+    out = {}
+    for name, p in model.state_dict().items():
+        short = name.split(".")[-2]
+        if "norm" in name:  # non-trivial gammas: folding them into the Linears must be exact
+            w = rng.uniform(0.5, 1.5, p.shape)
+        elif name.endswith(".bias"):
+            w = rng.normal(0, 0.5, p.shape)
+        else:
+            w = rng.normal(0, std.get(short, 0.06), p.shape)
+        out[name] = w.astype(np.float32)
+    if case.arch == "llama":  # tied, like Llama 3.2: the writer must untie from the embedding
+        out.pop("lm_head.weight", None)
+    return out
