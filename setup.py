@@ -35,8 +35,10 @@ setup(
     py_modules=["bitnest_mlx_hook"],  # stdlib only: what the .pth imports at every startup
     packages=[
         "bitnest_mlx",
+        "bitnest_mlx.cli",
         "bitnest_mlx.convert",
         "bitnest_mlx.formats",
+        "bitnest_mlx.formats.bitnest",
         "bitnest_mlx.layers",
         "bitnest_mlx.models",
         "bitnest_mlx.metal_kernels",
@@ -58,6 +60,12 @@ setup(
         "sentencepiece",
         "tokenizers",
     ],
+    entry_points={
+        "console_scripts": [
+            f"bitnest-{name}=bitnest_mlx.cli.{name}:main"
+            for name in ("generate", "convert", "eval", "bench", "server")
+        ]
+    },
     extras_require={
         "convert": ["gguf"],
         "test": ["pytest", "transformers>=5", "torch==2.13.0", "ruff", "jang==2.5.50", "gguf"],

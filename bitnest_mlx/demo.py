@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .formats import bitnest, dsv4_bundle, dsv4_bundle_write
+from .formats import dsv4_bundle, dsv4_bundle_write
 from .formats.dsv4_bundle import Slot
 
 VERSION = 1

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from bitnest_mlx import load
-from bitnest_mlx.bench import CHIPS, roofline
+from bitnest_mlx.cli.bench import CHIPS, roofline
 from bitnest_mlx.demo import demo_path
 from bitnest_mlx.formats import bitnest
 

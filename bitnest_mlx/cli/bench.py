@@ -1,0 +1,410 @@
+"""`python -m bitnest_mlx.bench` (`bitnest-bench`): draft, target and speculative speed on a prompt.
+
+Also runs the same shapes through mlx-lm's own Llama quantized with `nn.quantize` (group 128,
+4 and 8 bits, random weights) on the same backend as a peer baseline, and a bandwidth roofline:
+bytes read per generated token and the tok/s ceiling they imply on Apple chips.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generate_step
+from mlx_lm.models import llama
+from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
+
+from .. import kernels, speculative
+from ..demo import CORPUS
+from ..layers.dual_plane import DualPlaneLinear
+from ..loader import load
+from ..sampling import make_sampler
+
+# Peak memory bandwidth (GB/s, Apple specifications).
+CHIPS = {
+    "M4 Pro": 273,
+    "M1/M2/M3 Max": 400,
+    "M4 Max": 546,
+    "M2 Ultra": 800,
+    "M3 Ultra": 819,
+}
+
+
+# Peak memory bandwidth (GB/s) by chip name, for the achieved-bandwidth fraction on Metal. The
+# longest matching name wins ("M4 Max" before "M4"); binned parts (e.g. 300 GB/s M3 Max) differ.
+PEAK_GBS = {
+    "M1": 68, "M1 Pro": 200, "M1 Max": 400, "M1 Ultra": 800,
+    "M2": 100, "M2 Pro": 200, "M2 Max": 400, "M2 Ultra": 800,
+    "M3": 100, "M3 Pro": 150, "M3 Max": 400, "M3 Ultra": 819,
+    "M4": 120, "M4 Pro": 273, "M4 Max": 546,
+}  # fmt: skip
+
+
+def chip_peak() -> tuple[str, float] | None:
+    """(device name, peak GB/s) of this Mac's GPU, or None off Metal / for an unknown chip."""
+    if not mx.metal.is_available():
+        return None
+    name = str(mx.metal.device_info().get("device_name", ""))
+    known = [c for c in PEAK_GBS if f"{c} " in f"{name} "]
+    return (name, PEAK_GBS[max(known, key=len)]) if known else None
+
+
+def achieved_bandwidth(bytes_per_token: dict, tps: dict, peak: tuple[str, float]) -> dict:
+    """GB/s implied by the measured tok/s and the roofline's bytes per token, and its fraction
+    of the chip's peak (decode is bandwidth-bound: 1.0 would be the ceiling)."""
+    chip, bw = peak
+    out = {"chip": chip, "peak_gbs": bw}
+    for mode in ("draft", "target"):
+        gbs = bytes_per_token[mode] * tps[mode] / 1e9
+        out[mode] = {"gbs": gbs, "fraction_of_peak": gbs / bw}
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bitnest_mlx.bench",
+        description="Benchmark draft-only, target-only and speculative decoding of a bitnest "
+        "package against mlx-lm's Llama at 4 and 8 bits (default model: the demo).",
+    )
+    p.add_argument("--model", help="package directory or Hub id (default: the demo package)")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length")
+    p.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per run")
+    p.add_argument("--num-draft-tokens", type=int, default=3, help="maximum draft length")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per measurement (best kept)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm peer baseline")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def _best(fn: Callable[[], dict], repeats: int, key: str) -> dict:
+    """Best of `repeats` runs by `key`; a shared CPU makes single runs noisy."""
+    return max((fn() for _ in range(max(repeats, 1))), key=lambda r: r[key])
+
+
+def measure_prefill(model: nn.Module, prompt: mx.array, **kw) -> dict:
+    """One forward pass over the whole prompt (after a short warm-up): tok/s and peak memory."""
+    mx.eval(model(prompt[None, :8], model.make_cache(), **kw))
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    mx.eval(model(prompt[None], model.make_cache(), **kw))
+    seconds = time.perf_counter() - tic
+    return {"tps": prompt.size / seconds, "peak_memory_gb": mx.get_peak_memory() / 1e9}
+
+
+def measure_generation(steps: Callable[[], Iterator], n: int) -> dict:
+    """Generation tok/s from the first token on (prompt time excluded, like mlx-lm)."""
+    for _ in zip(range(2), steps()):  # warm-up: first-call allocation and compilation
+        pass
+    mx.reset_peak_memory()
+    tic, count = None, 0
+    for _ in steps():
+        count += 1
+        if tic is None:
+            tic = time.perf_counter()
+    seconds = time.perf_counter() - tic
+    return {
+        "tps": (count - 1) / seconds if count > 1 else 0.0,
+        "tokens": count,
+        "peak_memory_gb": mx.get_peak_memory() / 1e9,
+    }
+
+
+def mlx_lm_peer(args, bits: int, dtype: mx.Dtype) -> nn.Module:
+    """mlx-lm's Llama with this package's dims, random weights, nn.quantize(group 128, bits)."""
+    a = args
+    peer = llama.Model(
+        llama.ModelArgs(
+            model_type="llama",
+            hidden_size=a.hidden_size,
+            num_hidden_layers=a.num_hidden_layers,
+            intermediate_size=a.intermediate_size,
+            num_attention_heads=a.num_attention_heads,
+            num_key_value_heads=a.num_key_value_heads,
+            head_dim=a.head_dim,
+            rms_norm_eps=a.rms_norm_eps,
+            vocab_size=a.vocab_size,
+            rope_theta=a.rope_theta,
+            rope_scaling=a.rope_scaling,
+            max_position_embeddings=a.max_position_embeddings,
+            tie_word_embeddings=False,
+        )
+    )
+    peer.set_dtype(dtype)
+    nn.quantize(peer, group_size=128, bits=bits)
+    mx.eval(peer.parameters())
+    return peer
+
+
+def roofline(model: nn.Module, context: int) -> dict:
+    """Bytes read per generated token, counted from the model's Linears and KV layout.
+
+    Weights as on Metal (fp16 scales; MLX's affine biases = -8·scales, read alongside). The
+    draft reads the hi plane once; the target runs two 4-bit matmuls (hi, lo) that both read
+    scales and biases. Plus one embedding row, and the KV cache at `context` tokens: the draft
+    reads the q4 plane, the target both planes; each (token, kv head) group has an fp32 scale.
+    """
+    draft = target = 0
+    for _, m in model.named_modules():
+        if isinstance(m, DualPlaneLinear):
+            plane = m.hi.size * 4  # uint32 words of 8 nibbles
+            scales_and_biases = 2 * m.scales.size * 2
+            bias = m.bias.size * 2 if "bias" in m else 0
+            draft += plane + scales_and_biases + bias
+            target += 2 * plane + 2 * scales_and_biases + bias
+    a = model.args
+    embed_row = a.hidden_size * 2
+    values = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim  # K and V
+    kv_scales = values // a.kv_group * 4
+    kv_draft, kv_target = values // 2 + kv_scales, values + kv_scales
+    per_token = {
+        "draft": draft + embed_row + kv_draft * context,
+        "target": target + embed_row + kv_target * context,
+    }
+    return {
+        "context_tokens": context,
+        "weight_bytes_per_token": {"draft": draft + embed_row, "target": target + embed_row},
+        "kv_bytes_per_context_token": {"draft": kv_draft, "target": kv_target},
+        "bytes_per_token": per_token,
+        "ceiling_tps": {
+            f"{chip} ({bw} GB/s)": {k: bw * 1e9 / v for k, v in per_token.items()}
+            for chip, bw in CHIPS.items()
+        },
+    }
+
+
+def bench_prompt(tokenizer, n: int, vocab: int) -> mx.array:
+    """`n` tokens of English text (repeated as needed), so acceptance is realistic."""
+    ids = [t for t in tokenizer.encode(" ".join(CORPUS.split())) if t < vocab]
+    return mx.array((ids * (n // max(len(ids), 1) + 1))[:n], dtype=mx.uint32)
+
+
+def run(args: argparse.Namespace) -> dict:
+    mx.random.seed(args.seed)
+    model_path = args.model
+    if model_path is None:
+        from ..demo import demo_path
+
+        model_path = str(demo_path())
+    model, tokenizer = load(model_path)
+    a = model.args
+    prompt = bench_prompt(tokenizer, args.prompt_tokens, a.vocab_size)
+    n, rep = args.gen_tokens, args.repeats
+    if not model.supports_draft:
+        return run_single_precision(model, str(model_path), prompt, args)
+    dtype = model.embed_tokens.weight.dtype
+    sampler = make_sampler(args.temp)
+
+    def plain(m: nn.Module, mode: str | None = None) -> Callable[[], Iterator]:
+        """mlx-lm's own decoding loop; bitnest models in a fixed mode."""
+        s = mlx_lm_make_sampler(args.temp)
+
+        def steps():
+            if mode is not None:
+                m.mode = mode
+            return generate_step(prompt, m, max_tokens=n, sampler=s)
+
+        return steps
+
+    spec_stats: dict[str, speculative.SpeculativeStats] = {}
+
+    def spec(name: str, fallback: bool) -> Callable[[], Iterator]:
+        def steps():
+            spec_stats[name] = speculative.SpeculativeStats()  # the last run's counters are kept
+            return speculative.speculative_generate_step(
+                prompt,
+                model,
+                max_tokens=n,
+                sampler=sampler,
+                num_draft_tokens=args.num_draft_tokens,
+                fallback=fallback,
+                stats=spec_stats[name],
+            )
+
+        return steps
+
+    pp = {
+        mode: _best(lambda mode=mode: measure_prefill(model, prompt, mode=mode), rep, "tps")
+        for mode in ("draft", "target")
+    }
+    runs = {
+        "draft": plain(model, "draft"),
+        "target": plain(model, "target"),
+        "speculative": spec("speculative", fallback=False),
+        "speculative_auto": spec("speculative_auto", fallback=True),
+    }
+    gen = {k: _best(lambda f=f: measure_generation(f, n), rep, "tps") for k, f in runs.items()}
+    target_tps = gen["target"]["tps"]
+
+    def spec_summary(name: str) -> dict:
+        s = spec_stats[name]
+        return {
+            "acceptance_rate": s.acceptance_rate,
+            "mean_accepted": s.mean_accepted,
+            "mean_drafted": s.mean_drafted,
+            "draft_s": s.draft_s,
+            "verify_s": s.verify_s,
+            "generation_tps": gen[name]["tps"],
+            "fallback": s.fallback,
+            "speedup_vs_target": gen[name]["tps"] / target_tps,
+        }
+
+    result = {
+        "model": str(model_path),
+        "backend": "gpu" if mx.metal.is_available() else "cpu",
+        "dtype": str(dtype),
+        "dims": {
+            "hidden_size": a.hidden_size,
+            "num_hidden_layers": a.num_hidden_layers,
+            "intermediate_size": a.intermediate_size,
+            "num_attention_heads": a.num_attention_heads,
+            "num_key_value_heads": a.num_key_value_heads,
+            "head_dim": a.head_dim,
+            "vocab_size": a.vocab_size,
+        },
+        "settings": {
+            "prompt_tokens": prompt.size,
+            "gen_tokens": n,
+            "num_draft_tokens": args.num_draft_tokens,
+            "temp": args.temp,
+            "repeats": rep,
+        },
+        "prompt_tps": {k: v["tps"] for k, v in pp.items()},
+        "generation_tps": {k: v["tps"] for k, v in gen.items()},
+        "peak_memory_gb": {
+            **{f"prompt_{k}": v["peak_memory_gb"] for k, v in pp.items()},
+            **{k: v["peak_memory_gb"] for k, v in gen.items()},
+        },
+        "speculative": spec_summary("speculative"),
+        "speculative_auto": spec_summary("speculative_auto"),
+        "roofline": roofline(model, prompt.size + n),
+        # Which path served each kernel-capable op (Metal kernel or pure MLX), with call counts.
+        "paths": kernels.report(),
+    }
+    peak = chip_peak()
+    if peak is not None:
+        per_token = result["roofline"]["bytes_per_token"]
+        result["bandwidth"] = achieved_bandwidth(per_token, result["generation_tps"], peak)
+    if not args.no_mlx_lm:
+        peers = {}
+        for bits in (4, 8):
+            peer = mlx_lm_peer(a, bits, dtype)
+            g = _best(lambda p=peer: measure_generation(plain(p), n), rep, "tps")
+            peers[f"q{bits}"] = {
+                "prompt_tps": _best(lambda p=peer: measure_prefill(p, prompt), rep, "tps")["tps"],
+                "generation_tps": g["tps"],
+                "peak_memory_gb": g["peak_memory_gb"],
+            }
+        q4, q8 = peers["q4"], peers["q8"]
+        result["mlx_lm"] = peers
+        result["ratios_vs_mlx_lm"] = {
+            "draft_prompt_vs_q4": pp["draft"]["tps"] / q4["prompt_tps"],
+            "target_prompt_vs_q8": pp["target"]["tps"] / q8["prompt_tps"],
+            "draft_generation_vs_q4": gen["draft"]["tps"] / q4["generation_tps"],
+            "target_generation_vs_q8": target_tps / q8["generation_tps"],
+            "speculative_generation_vs_q8": gen["speculative"]["tps"] / q8["generation_tps"],
+        }
+    return result
+
+
+def run_single_precision(model: nn.Module, name: str, prompt: mx.array, args) -> dict:
+    """Models with one precision (DeepSeek-V4 MXTQ bundles): prefill and decode tok/s only."""
+    n, rep = args.gen_tokens, args.repeats
+    sampler = mlx_lm_make_sampler(args.temp)
+    pp = _best(lambda: measure_prefill(model, prompt), rep, "tps")
+    steps = lambda: generate_step(prompt, model, max_tokens=n, sampler=sampler)
+    gen = _best(lambda: measure_generation(steps, n), rep, "tps")
+    return {
+        "model": name,
+        "model_type": model.model_type,
+        "backend": "gpu" if mx.metal.is_available() else "cpu",
+        "settings": {
+            "prompt_tokens": prompt.size,
+            "gen_tokens": n,
+            "temp": args.temp,
+            "repeats": rep,
+        },
+        "prompt_tps": pp["tps"],
+        "generation_tps": gen["tps"],
+        "peak_memory_gb": {"prompt": pp["peak_memory_gb"], "generation": gen["peak_memory_gb"]},
+    }
+
+
+def report(r: dict) -> str:
+    if "speculative" not in r:  # a single-precision model (run_single_precision)
+        return (
+            f"model: {r['model']} ({r['model_type']}, {r['backend']}), prompt "
+            f"{r['settings']['prompt_tokens']} tokens: {r['prompt_tps']:.1f} tok/s | generation "
+            f"{r['settings']['gen_tokens']} tokens: {r['generation_tps']:.1f} tok/s | peak memory "
+            f"{max(r['peak_memory_gb'].values()):.3f} GB"
+        )
+    s, roof, cfg = r["speculative"], r["roofline"], r["settings"]
+    lines = [
+        f"model: {r['model']} ({r['backend']}, {r['dtype']}), prompt {cfg['prompt_tokens']}"
+        f" tokens, {cfg['gen_tokens']} generated",
+        "prompt tok/s: " + ", ".join(f"{k} {v:.1f}" for k, v in r["prompt_tps"].items()),
+        "generation tok/s: " + ", ".join(f"{k} {v:.1f}" for k, v in r["generation_tps"].items()),
+        f"speculative (forced): acceptance {s['acceptance_rate']:.1%}, mean accepted "
+        f"{s['mean_accepted']:.2f} of {s['mean_drafted']:.2f}, draft {s['draft_s']:.3f} s, "
+        f"verify {s['verify_s']:.3f} s, {s['speedup_vs_target']:.2f}x target-only",
+        f"speculative (auto): fallback {'engaged' if r['speculative_auto']['fallback'] else 'off'}"
+        f", {r['speculative_auto']['speedup_vs_target']:.2f}x target-only",
+        "peak memory GB: " + ", ".join(f"{k} {v:.3f}" for k, v in r["peak_memory_gb"].items()),
+    ]
+    if "mlx_lm" in r:
+        lines.append(
+            "vs mlx-lm (ours / mlx-lm): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in r["ratios_vs_mlx_lm"].items())
+        )
+    wb, tb = roof["weight_bytes_per_token"], roof["bytes_per_token"]
+    lines.append(
+        f"roofline at {roof['context_tokens']} context tokens: MB read per token: draft "
+        f"{tb['draft'] / 1e6:.3f} (weights {wb['draft'] / 1e6:.3f}), "
+        f"target {tb['target'] / 1e6:.3f} (weights {wb['target'] / 1e6:.3f})"
+    )
+    for chip, c in roof["ceiling_tps"].items():
+        lines.append(f"  {chip}: ceiling draft {c['draft']:.0f} tok/s, target {c['target']:.0f}")
+    lines.append(
+        "paths: "
+        + ", ".join(
+            f"{k} {'kernel' if v['kernel'] else 'pure'} ({v['status']})"
+            for k, v in r["paths"].items()
+        )
+    )
+    if "bandwidth" in r:
+        b = r["bandwidth"]
+        lines.append(
+            f"achieved bandwidth on {b['chip']} (peak {b['peak_gbs']} GB/s): "
+            + ", ".join(
+                f"{m} {b[m]['gbs']:.0f} GB/s ({b[m]['fraction_of_peak']:.0%})"
+                for m in ("draft", "target")
+            )
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.prompt_tokens < 2 or args.gen_tokens < 2:
+        print("error: --prompt-tokens and --gen-tokens must be >= 2", file=sys.stderr)
+        return 2
+    from ..formats.bitnest import PackageError
+    from ..hub import HubError
+
+    try:
+        result = run(args)
+    except (PackageError, HubError) as e:  # --model could not be fetched or read
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

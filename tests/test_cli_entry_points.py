@@ -1,0 +1,41 @@
+"""Every command runs the same `main` three ways: `python -m bitnest_mlx.<name>`, the console
+script `bitnest-<name>`, and is listed by `python -m bitnest_mlx`."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+from bitnest_mlx.cli import COMMANDS
+
+
+def run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
+def test_python_m_bitnest_mlx_lists_every_command():
+    r = run(sys.executable, "-m", "bitnest_mlx")
+    assert r.returncode == 0
+    listed = [line.split()[0] for line in r.stdout.splitlines()[1:]]
+    assert listed == list(COMMANDS)
+
+
+def test_every_command_has_a_console_script_on_its_cli_main():
+    scripts = {e.name: e.value for e in entry_points(group="console_scripts")}
+    for name in COMMANDS:
+        assert scripts.get(f"bitnest-{name}") == f"bitnest_mlx.cli.{name}:main", name
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_python_m_and_console_script_both_answer_help(name):
+    r = run(sys.executable, "-m", f"bitnest_mlx.{name}", "--help")
+    assert r.returncode == 0 and "usage" in r.stdout.lower(), r.stderr
+    script = shutil.which(f"bitnest-{name}")
+    if script is None:
+        pytest.skip(f"bitnest-{name} is not on PATH (package not pip-installed)")
+    r = run(script, "--help")
+    assert r.returncode == 0 and "usage" in r.stdout.lower(), r.stderr
