@@ -1,8 +1,8 @@
-"""DeepSeek-V4 bundles: load a model (+ tokenizer).
+"""DeepSeek-V4 bundles -> model and tokenizer (the loader's DSV4 entry; `bitnest_mlx.load`).
 
-`load_bundle(path)` reads a bundle with formats/dsv4_bundle.py (strict), builds
-models/deepseek_v4.py, swaps in MLX affine layers and MXTQ experts where the bundle stores them,
-and loads every tensor (strict). The tiny demo bundle and random weights are in demo.py.
+`build_model(bundle)` builds models/deepseek_v4.py from a bundle that formats/dsv4_bundle.py read
+(strict), swaps in MLX affine layers and MXTQ experts where the bundle stores them, and loads
+every tensor (strict). The tiny demo bundle and random weights are in demo.py.
 """
 
 from __future__ import annotations
@@ -55,14 +55,6 @@ def build_model(bundle: dsv4_bundle.Bundle, dtype: mx.Dtype = mx.float32) -> Mod
     model.load_weights(weights, strict=True)
     model.eval()
     return model
-
-
-def load_bundle(path: str | Path, dtype: mx.Dtype | None = None) -> tuple[Model, object]:
-    """(model, tokenizer) for a DeepSeek-V4 bundle; tokenizer is None when the bundle has none."""
-    bundle = dsv4_bundle.read(path)
-    model = build_model(bundle, dtype or mx.float32)
-    mx.eval(model.parameters())
-    return model, bundle_tokenizer(path, bundle.config)
 
 
 def bundle_tokenizer(path: str | Path, config: dict | None = None):

@@ -1,6 +1,6 @@
 """Self-speculative decoding: the W4/KV4 draft proposes, the W8/KV8 target verifies.
 
-One model, one shared nested KV cache (spec §5). A round with draft length γ:
+One model, one shared nested KV cache (docs/bitnest-package.md §5.5). A round with draft length γ:
 
     draft   γ single-token steps (mode="draft") from the last emitted token y; they write
             positions P..P+γ-1 of the cache

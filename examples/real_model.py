@@ -33,11 +33,10 @@ import mlx.nn as nn
 import numpy as np
 
 import bitnest_mlx
-from bitnest_mlx.convert import convert
+from bitnest_mlx.convert import convert, fold_norms
 from bitnest_mlx.convert.rotation import rotate
 from bitnest_mlx.convert.sources import Source, load_gguf
 from bitnest_mlx.evaluation import evaluate, window_nll, windows
-from bitnest_mlx.convert import fold_norms
 
 SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 GGUF = "qwen2.5-coder-0.5b-instruct.gguf"

@@ -1,6 +1,6 @@
 """DeepSeek-V4 (model_type `deepseek_v4`): mHC streams, sliding-window + compressed attention, MoE.
 
-Spec: shared/specs/deepseek-v4.md (math: shared/research/dsv4_arch.md §3-§4). Parameter names are
+Spec: docs/deepseek-v4-spec.md §1-§9 (cache: §13). Parameter names are
 the official checkpoint names (`layers.L.attn.wq_a.weight`, ...) with routed experts stacked under
 `layers.L.ffn.switch_mlp.{gate,up,down}_proj`, so a loader only renames and stacks.
 

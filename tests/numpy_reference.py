@@ -1,6 +1,6 @@
 """An independent numpy forward of a bitnest-package-v1 package, written from the spec text.
 
-shared/specs/bitnest-package-v1.md §3-§5: dual-plane weights, A8, weightless RMSNorm, RoPE (HF
+docs/bitnest-package.md §3-§5: dual-plane weights, A8, weightless RMSNorm, RoPE (HF
 rotate-half layout, llama3 scaling), GQA, nested KV (KV4/KV8), R4 on the down_proj input. It
 deliberately imports nothing from the runtime (layers, models): tensors are read with the
 package reader and everything else - nibble unpacking, dequantization, the Hadamard matrices,

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from bitnest_mlx.models.deepseek_v4 import Model
 
+from bitnest_mlx import load
 from bitnest_mlx.demo import DEMO_BITS, TINY_CONFIG, random_weights, write_demo_bundle
-from bitnest_mlx.dsv4 import args_from_config, load_bundle
+from bitnest_mlx.dsv4 import args_from_config
 from bitnest_mlx.formats import dsv4_bundle, dsv4_bundle_write, mxtq
 from bitnest_mlx.formats.dsv4_bundle import BundleError
 from bitnest_mlx.layers.mxtq_linear import MXTQSwitchLinear
@@ -125,7 +126,7 @@ def test_flash_schedule_matches_the_published_jang_key_count():
 
 def test_quantized_bundle_equals_float_model_with_dequantized_weights(written, weights):
     """Affine 8-bit and MXTQ layers compute what their dequantized float weights compute."""
-    model, tokenizer = load_bundle(written)
+    model, tokenizer = load(written)
     assert tokenizer is None
     switch = model.layers[3].ffn.switch_mlp
     assert isinstance(switch.gate_proj, MXTQSwitchLinear) and switch.gate_proj.bits == 2
@@ -152,7 +153,7 @@ def test_quantized_bundle_equals_float_model_with_dequantized_weights(written, w
 
 
 def test_quantized_bundle_generates_with_cache_and_rollback(written):
-    model, _ = load_bundle(written)
+    model, _ = load(written)
     full = _logits(model)
     cache = model.make_cache()
     steps = [np.array(model(mx.array(TOKENS[:30])[None], cache))[0]]
@@ -177,8 +178,8 @@ def test_sharded_per_expert_and_prestacked_bundles_load_the_same(tmp_path, weigh
     keys = json.loads((per_expert / dsv4_bundle.INDEX_FILE).read_text())["weight_map"]
     assert "layers.3.ffn.experts.15.w2.tq_packed" in keys
     assert not any(".switch_mlp." in k for k in keys)
-    a, _ = load_bundle(per_expert)
-    b, _ = load_bundle(written)
+    a, _ = load(per_expert)
+    b, _ = load(written)
     np.testing.assert_array_equal(_logits(a), _logits(b))
 
 
@@ -188,7 +189,7 @@ def test_float_directory_with_official_names_loads_and_matches(tmp_path, weights
     )
     keys = json.loads((path / dsv4_bundle.INDEX_FILE).read_text())["weight_map"]
     assert "layers.0.ffn.experts.0.w1.weight" in keys
-    model, _ = load_bundle(path)
+    model, _ = load(path)
     np.testing.assert_array_equal(_logits(model), _logits(_float_model(weights)))
 
 
@@ -199,7 +200,7 @@ def test_demo_bundle_is_deterministic_and_has_every_feature(tmp_path):
     config = json.loads((a / "config.json").read_text())
     assert {0, 4, 128} <= set(config["compress_ratios"]) and config["num_hash_layers"] > 0
     assert config["routed_expert_bit_plan"]["bits_used"] == [2, 4]
-    model, _ = load_bundle(a)
+    model, _ = load(a)
     assert model.args.index_topk < 40 // 4  # the indexer selects within 40 tokens
 
 
@@ -207,7 +208,7 @@ def test_demo_bundle_generates_through_mlx_lm_with_the_chat_template(tmp_path):
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    model, tokenizer = load_bundle(write_demo_bundle(tmp_path / "demo"))
+    model, tokenizer = load(write_demo_bundle(tmp_path / "demo"))
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Hi"}], add_generation_prompt=True
     )

@@ -89,13 +89,13 @@ def test_cached_repo_loads_offline_without_requests(hub, env, monkeypatch):
 
 
 def test_dsv4_repo_downloads_bundle(hub, env):
-    from bitnest_mlx.dsv4 import load_bundle
+    from bitnest_mlx import load
 
     path = resolve("org/dsv4")
     names = {p.name for p in path.iterdir()}
     assert {"config.json", "model.safetensors.index.json", "tokenizer.json"} <= names
     assert any(n.endswith(".safetensors") for n in names)
-    model, tokenizer = load_bundle(path)
+    model, tokenizer = load(path)
     assert tokenizer is not None
 
 

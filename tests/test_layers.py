@@ -1,4 +1,5 @@
-"""Exact tests of the integer maps and the layers (spec §2-§6), against numpy written from the spec.
+"""Exact tests of the integer maps and the layers (docs/bitnest-package.md §2-§6), against
+numpy written from the spec.
 
 Codes are compared exactly (spec §6: packing, A8 and the KV rule are exact integer maps); float
 outputs of float math (Hadamard, matmuls) with a tolerance.

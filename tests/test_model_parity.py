@@ -246,8 +246,8 @@ def test_quantized_forward_matches_numpy_spec_reference(package, mode):
 
 
 def test_r3_enabled_in_manifest_matches_numpy_spec_reference(tmp_path):
-    """Optional R3 (spec §5): with `kv.r3: true` q and k get a per-head Hadamard after RoPE,
-    which changes what the nested KV cache quantizes."""
+    """Optional R3 (docs/bitnest-package.md §5.4): with `kv.r3: true` q and k get a per-head
+    Hadamard after RoPE, which changes what the nested KV cache quantizes."""
     case = CASES["llama-K12"]
     write_package(tmp_path, random_source_weights(case, seed=1234), writer_config(case))
     manifest_file = tmp_path / "bitnest.json"

@@ -1,7 +1,7 @@
 """MXTQ codec and layers: bit-compatibility with jang 2.5.50 and the pure-MLX runtime math.
 
 jang (test extra) is the oracle for codes, norms, codebooks, signs and dense decode; its tests skip
-without it. The rest checks against values published in shared/research/mxtq_format.md and
+without it. The rest checks against values published in docs/mxtq.md (§2, §3.2, §4.2, §6) and
 against our own dense decode.
 """
 

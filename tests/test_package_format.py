@@ -1,4 +1,4 @@
-"""bitnest-package-v1 reader and writer (spec: shared/specs/bitnest-package-v1.md §1, §2).
+"""bitnest-package-v1 reader and writer (spec: docs/bitnest-package.md §1, §2).
 
 Every validation rule gets a package that breaks exactly that rule, and the PackageError must name
 the file, the tensor (where there is one) and what was expected. The packages are written by

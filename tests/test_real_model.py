@@ -23,6 +23,6 @@ def test_gguf_tokenizer_reproduces_qwen_token_ids(tmp_path):
 
     _write_gguf_tokenizer(gguf.GGUFReader(str(GGUF)), GGUF, tmp_path)
     tok = load(tmp_path)
-    # Ids of the real Qwen2.5 tokenizer (shared/research/offline_models.md).
+    # Ids of the real Qwen2.5 tokenizer (docs/real-model-reference.md §3).
     assert tok.encode("def fibonacci(n):\n    return n") == [750, 75698, 1445, 982, 262, 470, 308]
     assert tok.convert_tokens_to_ids("<|im_start|>") == 151644

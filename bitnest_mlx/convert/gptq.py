@@ -18,6 +18,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from ..formats.bitnest import (
     GROUP_SIZE,
     Planes,
+    a8,
     dequantize_planes,
     planes_from_codes,
     weight_scales,
@@ -123,20 +124,12 @@ def gptq_residual_codes(
     return _sweep(w, h, damp, lo, act_order=True)
 
 
-def _a8(x: np.ndarray, group: int = -1) -> np.ndarray:
-    shape = x.shape
-    xg = x.reshape(*shape[:-1], shape[-1] // group, group) if group > 0 else x[..., None, :]
-    amax = np.abs(xg).max(-1, keepdims=True)
-    scale = np.where(amax == 0, 1.0, amax / 127)
-    return (np.clip(np.round(xg / scale), -128, 127) * scale).reshape(shape)
-
-
 def _rms_norm(x: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
 class SequentialGPTQ:
-    """A `quantize(name, w) -> Planes` callback for `formats.bitnest.write` that runs GPTQ.
+    """A `quantize(name, w) -> Planes` callback for `convert.write_package` that runs GPTQ.
 
     The writer asks for Linears in forward order (layer 0 q, k, v, o, gate, up, down, layer 1 …,
     lm_head), so the first request of layer i triggers its calibration pass over the hidden states
@@ -200,7 +193,7 @@ class SequentialGPTQ:
         eps, hd = c["rms_norm_eps"], c["head_dim"]
         n_h, n_kv = c["num_attention_heads"], c["num_key_value_heads"]
         b, t, _ = self.h.shape
-        x = _a8(_rms_norm(self.h, eps))
+        x = a8(_rms_norm(self.h, eps))
         q = self._linear(x, p + "self_attn.q_proj", quantized).reshape(b, t, n_h, hd)
         k = self._linear(x, p + "self_attn.k_proj", quantized).reshape(b, t, n_kv, hd)
         v = self._linear(x, p + "self_attn.v_proj", quantized).reshape(b, t, n_kv, hd)
@@ -211,16 +204,16 @@ class SequentialGPTQ:
         scores = np.where(np.tril(np.ones((t, t), dtype=bool)), scores, -np.inf)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         o = (probs / probs.sum(-1, keepdims=True)) @ v
-        o8 = _a8(o.transpose(0, 2, 1, 3).reshape(b, t, n_h * hd), hd)
+        o8 = a8(o.transpose(0, 2, 1, 3).reshape(b, t, n_h * hd), hd)
         self.h = self.h + self._linear(o8, p + "self_attn.o_proj", quantized)
-        x2 = _a8(_rms_norm(self.h, eps))
+        x2 = a8(_rms_norm(self.h, eps))
         g = self._linear(x2, p + "mlp.gate_proj", quantized)
         a = g / (1 + np.exp(-g)) * self._linear(x2, p + "mlp.up_proj", quantized)
-        a8 = _a8(r4_transform(a, self.had_k))
+        a8_down = a8(r4_transform(a, self.had_k))
         down = p + "mlp.down_proj"
         fused = None if quantized else r4_transform(self.w[f"{down}.weight"], self.had_k)
-        self.h = self.h + self._linear(a8, down, quantized, fused)
-        return {"q_proj": x, "o_proj": o8, "gate_proj": x2, "down_proj": a8}
+        self.h = self.h + self._linear(a8_down, down, quantized, fused)
+        return {"q_proj": x, "o_proj": o8, "gate_proj": x2, "down_proj": a8_down}
 
     def _advance(self, layer: int) -> None:
         if self.layer >= 0:
@@ -229,9 +222,7 @@ class SequentialGPTQ:
                 self.progress(self.layer)
         if layer == self.config["num_hidden_layers"]:
             # lm_head reads the final norm's A8 output of the quantized stack.
-            self.hessians = {
-                "lm_head": hessian(_a8(_rms_norm(self.h, self.config["rms_norm_eps"])))
-            }
+            self.hessians = {"lm_head": hessian(a8(_rms_norm(self.h, self.config["rms_norm_eps"])))}
             self.layer = layer
             return
         saved = self.h

@@ -2,7 +2,7 @@
 
 A bundle is a directory with config.json (model_type `deepseek_v4`) and safetensors, one file or
 shards listed in `model.safetensors.index.json`. Keys are the official checkpoint names
-(spec: shared/specs/deepseek-v4.md "Bundle"; research: mxtq_format.md §6):
+(spec: docs/deepseek-v4-spec.md §10-§12):
 
 * Linears (`embed`, `head`, attention, shared experts, compressors, indexers): MLX affine
   (`.weight` uint32 + `.scales`/`.biases`, 8 bits group 32 unless config.json says otherwise for
@@ -68,13 +68,12 @@ class Bundle:
 
 
 def is_bundle(path: str | Path) -> bool:
-    cfg = Path(path) / "config.json"
-    if not cfg.is_file():
-        return False
+    """config.json says model_type deepseek_v4 (cheap: mlx-lm's loader asks about every model)."""
     try:
-        return json.loads(cfg.read_text()).get("model_type") == "deepseek_v4"
-    except json.JSONDecodeError:
+        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return False
+    return isinstance(config, dict) and config.get("model_type") == "deepseek_v4"
 
 
 # ---------------------------------------------------------------- schedule

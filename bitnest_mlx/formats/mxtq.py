@@ -1,4 +1,4 @@
-"""MXTQ weight codec (spec: shared/specs/mxtq-codec.md), bit-compatible with jang 2.5.50.
+"""MXTQ weight codec (spec: docs/mxtq.md §1-§8), bit-compatible with jang 2.5.50.
 
 A matrix W [out, in] is stored as `tq_packed` (uint32 codes, LSB-first), `tq_norms` (float16,
 one per row) and `tq_bits`. Row r decodes to Rᵀ(n_r · c[code_r]), where R is a randomized block

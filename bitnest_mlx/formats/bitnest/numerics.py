@@ -23,30 +23,40 @@ def nested(hi, lo):
     return hi + lo * LO_STEP
 
 
-def a8_scale(x: mx.array, group: int = -1) -> mx.array:
+def _xp(x):
+    return np if isinstance(x, np.ndarray) else mx
+
+
+def a8_scale(x, group: int = -1):
     """The A8 scale of x: amax/127 per token (group=-1) or per `group` columns, 1 where amax == 0;
-    float32 [..., 1] or [..., K/group] (what a fused kernel needs to quantize x while loading)."""
-    xf = x.astype(mx.float32)
+    [..., 1] or [..., K/group] (what a fused kernel needs to quantize x while loading).
+
+    MLX arrays are quantized in float32, numpy arrays (the converter's calibration) in their own
+    dtype."""
+    xp = _xp(x)
+    xf = x.astype(mx.float32) if xp is mx else x
     if group > 0:
         xf = xf.reshape(*x.shape[:-1], x.shape[-1] // group, group)
-    amax = mx.abs(xf).max(axis=-1)
-    scale = mx.where(amax == 0, 1.0, amax / 127.0)
+    amax = xp.abs(xf).max(axis=-1)
+    scale = xp.where(amax == 0, 1.0, amax / 127.0)
     return scale if group > 0 else scale[..., None]
 
 
-def a8(x: mx.array, group: int = -1) -> mx.array:
+def a8(x, group: int = -1):
     """Symmetric int8 fake-quantization: q = clip(round_half_even(x/scale), -128, 127), q·scale.
 
-    fp32 math; division (not multiplication by 127/amax) reproduces the reference rounding at ties.
+    Division (not multiplication by 127/amax) reproduces the reference rounding at ties.
     """
+    xp = _xp(x)
     shape, dtype = x.shape, x.dtype
-    xf = x.astype(mx.float32)
+    xf = x.astype(mx.float32) if xp is mx else x
     scale = a8_scale(x, group)
     if group > 0:
         xf = xf.reshape(*shape[:-1], shape[-1] // group, group)
         scale = scale[..., None]
-    q = mx.clip(mx.round(xf / scale), -128, 127)
-    return (q * scale).reshape(shape).astype(dtype)
+    q = xp.clip(xp.round(xf / scale), -128, 127)
+    out = (q * scale).reshape(shape)
+    return out.astype(dtype) if xp is mx else out
 
 
 def pack_nibbles(u: np.ndarray) -> np.ndarray:
