@@ -15,7 +15,7 @@ from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.rope_utils import initialize_rope
 
 from bitnest_mlx.formats.bitnest import LAYER_LINEARS, PackageSpec
-from bitnest_mlx.layers.dual_plane import DualPlaneLinear
+from bitnest_mlx.layers.dual_plane import DualPlaneLinear, project
 from bitnest_mlx.layers.hadamard import OnlineHadamard
 from bitnest_mlx.layers.nested_kv import NestedKVCache
 from bitnest_mlx.layers.options import RunOptions
@@ -76,13 +76,13 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, mask: Any, cache: NestedKVCache, o: RunOptions) -> mx.array:
         B, L, _ = x.shape
-        q = self.q_proj(x, o).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x, o)
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), o)
+        q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         if self.k_bias_offset:
             # Qwen2's k bias (up to ~145) would set every token's KV scale: cache K without it.
             k = k - self.k_proj.bias
         k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x, o).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q, k = self._rotate(q, cache.offset), self._rotate(k, cache.offset)
         k_offset = self._k_offset(cache.offset + L, k.dtype) if self.k_bias_offset else None
         out = cache.attend(
@@ -110,7 +110,8 @@ class MLP(nn.Module):
         self.r4 = OnlineHadamard(n, r4["K"], r4.get("fp32", False)) if r4 else None
 
     def __call__(self, x: mx.array, o: RunOptions) -> mx.array:
-        a = nn.silu(self.gate_proj(x, o)) * self.up_proj(x, o)
+        gate, up = project(x, (self.gate_proj, self.up_proj), o)
+        a = nn.silu(gate) * up
         if self.r4 is not None:
             a = self.r4(a)
         return self.down_proj(a, o)

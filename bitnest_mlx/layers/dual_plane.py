@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -34,28 +36,12 @@ class DualPlaneLinear(nn.Module):
     ) -> mx.array:
         """x [..., K] -> [..., N]. With A8 on (options.quantize_activations), x is quantized per
         token (a8_group = -1) or per `a8_group` columns first."""
-        o = options or _DEFAULT
-        group = a8_group if o.quantize_activations else None
-        if o.use_kernels and self._kernel_fits(x) and kernels.use("dual_plane", kernel_self_test):
-            kernels.record("dual_plane", "kernel")
-            fused = group in (-1, GROUP_SIZE)  # the kernel quantizes x itself at these groups
-            y = kernels.dual_plane_matmul(
-                x if fused or group is None else a8(x, group),
-                self.hi,
-                self.lo,
-                self.scales,
-                draft=o.draft,
-                a_scale=a8_scale(x, group) if fused else None,
-            )
-        else:
-            kernels.record("dual_plane", "pure")
-            y = self._pure(x if group is None else a8(x, group), o.draft, o.dense_min_rows)
-        if "bias" in self:
-            y = y + self.bias
-        return y
+        return project(x, (self,), options, a8_group)[0]
 
-    def _kernel_fits(self, x: mx.array) -> bool:
-        return kernels.dual_plane_supported(x, self.hi)
+    def _kernel(self, x: mx.array, a_scale: mx.array | None, draft: bool) -> mx.array:
+        return kernels.dual_plane_matmul(
+            x, self.hi, self.lo, self.scales, draft=draft, a_scale=a_scale
+        )
 
     def _qmm(self, x: mx.array, plane: mx.array) -> mx.array:
         return mx.quantized_matmul(
@@ -75,6 +61,9 @@ class DualPlaneLinear(nn.Module):
         w = mx.dequantize(self.hi, self.scales, self.biases, **kw)
         return w if draft else nested(w, mx.dequantize(self.lo, self.scales, self.biases, **kw))
 
+    def _biased(self, y: mx.array) -> mx.array:
+        return y + self.bias if "bias" in self else y
+
     @staticmethod
     def prepare(tensors: dict, prefix: str, dtype: mx.Dtype) -> dict:
         """Package tensors of one Linear -> this module's parameters in `dtype`."""
@@ -88,6 +77,36 @@ class DualPlaneLinear(nn.Module):
         if f"{prefix}.bias" in tensors:
             out[f"{prefix}.bias"] = tensors[f"{prefix}.bias"].astype(dtype)
         return out
+
+
+def project(
+    x: mx.array,
+    linears: Sequence[DualPlaneLinear],
+    options: RunOptions | None = None,
+    a8_group: int = -1,
+) -> list[mx.array]:
+    """x through Linears that all read it (q/k/v, gate/up): A8 applied once (on the kernel path,
+    its scale computed once and x quantized inside each kernel) and one kernel-or-pure decision.
+    """
+    o = options or _DEFAULT
+    group = a8_group if o.quantize_activations else None
+    if (
+        o.use_kernels
+        and kernels.use("dual_plane", kernel_self_test)
+        and kernels.dual_plane_supported(x, linears[0].hi)
+    ):
+        path = "kernel"
+        fused = group in (-1, GROUP_SIZE)  # the kernel quantizes x itself at these groups
+        x_in = x if fused or group is None else a8(x, group)
+        a_scale = a8_scale(x, group) if fused else None
+        ys = [lin._kernel(x_in, a_scale, o.draft) for lin in linears]
+    else:
+        path = "pure"
+        x_in = x if group is None else a8(x, group)
+        ys = [lin._pure(x_in, o.draft, o.dense_min_rows) for lin in linears]
+    for _ in linears:
+        kernels.record("dual_plane", path)
+    return [lin._biased(y) for lin, y in zip(linears, ys)]
 
 
 def kernel_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx.array]:

@@ -93,8 +93,8 @@ class NestedKVCache(_BaseCache):
             k_offset is None
             and use_kernels
             and self.quantized
-            and kernels.nested_kv_supported(q, mask, q.shape[-1], self.group_size)
             and kernels.use("nested_kv", kernel_self_test)
+            and kernels.nested_kv_supported(q, mask, q.shape[-1], self.group_size)
         ):
             kernels.record("nested_kv", "kernel")
             self._store(k, v)

@@ -27,36 +27,34 @@ def _xp(x):
     return np if isinstance(x, np.ndarray) else mx
 
 
-def a8_scale(x, group: int = -1):
-    """The A8 scale of x: amax/127 per token (group=-1) or per `group` columns, 1 where amax == 0;
-    [..., 1] or [..., K/group] (what a fused kernel needs to quantize x while loading).
-
-    MLX arrays are quantized in float32, numpy arrays (the converter's calibration) in their own
-    dtype."""
+def _a8_groups(x, group: int):
+    """(x as float, grouped when group > 0; its A8 scale amax/127 per row or group, 1 where
+    amax == 0, with the reduced axis kept). MLX arrays in float32, numpy in their own dtype."""
     xp = _xp(x)
     xf = x.astype(mx.float32) if xp is mx else x
     if group > 0:
         xf = xf.reshape(*x.shape[:-1], x.shape[-1] // group, group)
-    amax = xp.abs(xf).max(axis=-1)
-    scale = xp.where(amax == 0, 1.0, amax / 127.0)
-    return scale if group > 0 else scale[..., None]
+    amax = xp.abs(xf).max(axis=-1, keepdims=True)
+    return xf, xp.where(amax == 0, 1.0, amax / 127.0)
+
+
+def a8_scale(x, group: int = -1):
+    """The A8 scale of x per token ([..., 1]) or per `group` columns ([..., K/group]): what a
+    fused kernel needs to quantize x while loading it."""
+    scale = _a8_groups(x, group)[1]
+    return scale[..., 0] if group > 0 else scale
 
 
 def a8(x, group: int = -1):
-    """Symmetric int8 fake-quantization: q = clip(round_half_even(x/scale), -128, 127), q·scale.
+    """Symmetric int8 fake-quantization per token (group=-1) or per `group` columns:
+    q = clip(round_half_even(x/scale), -128, 127), returns q·scale in x's dtype (MLX) or float.
 
     Division (not multiplication by 127/amax) reproduces the reference rounding at ties.
     """
     xp = _xp(x)
-    shape, dtype = x.shape, x.dtype
-    xf = x.astype(mx.float32) if xp is mx else x
-    scale = a8_scale(x, group)
-    if group > 0:
-        xf = xf.reshape(*shape[:-1], shape[-1] // group, group)
-        scale = scale[..., None]
-    q = xp.clip(xp.round(xf / scale), -128, 127)
-    out = (q * scale).reshape(shape)
-    return out.astype(dtype) if xp is mx else out
+    xf, scale = _a8_groups(x, group)
+    out = (xp.clip(xp.round(xf / scale), -128, 127) * scale).reshape(x.shape)
+    return out.astype(x.dtype) if xp is mx else out
 
 
 def pack_nibbles(u: np.ndarray) -> np.ndarray:
