@@ -9,6 +9,7 @@ imported only by the builders that need them.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -370,3 +371,77 @@ def random_source_weights(case: Case, seed: int) -> dict[str, np.ndarray]:
     if case.arch == "llama":  # tied, like Llama 3.2: the writer must untie from the embedding
         out.pop("lm_head.weight", None)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V4: the float model of the tiny config, and its weights under transformers' names
+
+# Our names (official checkpoint names) -> transformers' module names.
+_HF_RENAMES = [
+    (r"^embed\.", "model.embed_tokens."),
+    (r"^head\.", "lm_head."),
+    (r"^norm\.", "model.norm."),
+    (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"),
+    (r"^layers\.", "model.layers."),
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
+    (r"\.attn\.indexer\.compressor\.", ".self_attn.compressor.indexer."),
+    (r"\.attn\.indexer\.weights_proj\.", ".self_attn.compressor.indexer.scorer.weights_proj."),
+    (r"\.attn\.indexer\.wq_b\.", ".self_attn.compressor.indexer.q_b_proj."),
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ffn\.", ".mlp."),
+    (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.wq_b\.", ".q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.attn_sink$", ".sinks"),
+    (r"\.ape$", ".position_bias"),
+    (r"(compressor|indexer)\.norm\.", r"\1.kv_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"shared_experts\.w1\.", "shared_experts.gate_proj."),
+    (r"shared_experts\.w2\.", "shared_experts.down_proj."),
+    (r"shared_experts\.w3\.", "shared_experts.up_proj."),
+]
+
+
+def dsv4_hf_state_dict(weights: dict[str, np.ndarray]):
+    """Our DSV4 weights under transformers' DeepseekV4ForCausalLM names (torch tensors)."""
+    import torch
+
+    from bitnest_mlx.demo import TINY_CONFIG
+
+    sd = {}
+    for key, value in weights.items():
+        if ".switch_mlp." in key:
+            continue
+        name = key
+        for pattern, repl in _HF_RENAMES:
+            name = re.sub(pattern, repl, name)
+        tensor = torch.from_numpy(np.ascontiguousarray(value))
+        sd[name] = tensor.long() if value.dtype == np.int32 else tensor
+    for i in range(TINY_CONFIG["num_hidden_layers"]):
+        p = f"layers.{i}.ffn.switch_mlp."
+        gate_up = np.concatenate(
+            [weights[p + "gate_proj.weight"], weights[p + "up_proj.weight"]], 1
+        )
+        sd[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.from_numpy(gate_up)
+        sd[f"model.layers.{i}.mlp.experts.down_proj"] = torch.from_numpy(
+            weights[p + "down_proj.weight"]
+        )
+    return sd
+
+
+def dsv4_model(weights: dict[str, np.ndarray], **overrides):
+    """The float DSV4 model of TINY_CONFIG (+ overrides) with `weights` loaded."""
+    from bitnest_mlx.models.deepseek_v4 import Model
+
+    from bitnest_mlx.demo import TINY_CONFIG
+    from bitnest_mlx.dsv4 import args_from_config
+
+    model = Model(args_from_config({**TINY_CONFIG, **overrides}))
+    model.load_weights([(k, mx.array(v)) for k, v in weights.items()], strict=True)
+    return model

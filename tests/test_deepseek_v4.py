@@ -8,73 +8,16 @@ The tiny config has every feature on: hash layers 0-2, compress ratios 0/4/128, 
 
 from __future__ import annotations
 
-import re
-
 import mlx.core as mx
 import numpy as np
 import pytest
 from bitnest_mlx.models.deepseek_v4 import Model
+from factory import dsv4_hf_state_dict, dsv4_model
 
 from bitnest_mlx.demo import TINY_CONFIG, random_weights
-from bitnest_mlx.dsv4 import args_from_config
 from bitnest_mlx.layers.dsv4_ops import fp4_fake_quant, fp8_fake_quant
 
 T, PREFILL, TOL = 300, 131, 1e-4  # PREFILL is not a multiple of 4: pending rows carry over
-
-# Our names (official checkpoint names) -> transformers' module names.
-_HF_RENAMES = [
-    (r"^embed\.", "model.embed_tokens."),
-    (r"^head\.", "lm_head."),
-    (r"^norm\.", "model.norm."),
-    (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"),
-    (r"^layers\.", "model.layers."),
-    (r"\.attn_norm\.", ".input_layernorm."),
-    (r"\.ffn_norm\.", ".post_attention_layernorm."),
-    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
-    (r"\.attn\.indexer\.compressor\.", ".self_attn.compressor.indexer."),
-    (r"\.attn\.indexer\.weights_proj\.", ".self_attn.compressor.indexer.scorer.weights_proj."),
-    (r"\.attn\.indexer\.wq_b\.", ".self_attn.compressor.indexer.q_b_proj."),
-    (r"\.attn\.", ".self_attn."),
-    (r"\.ffn\.", ".mlp."),
-    (r"\.wq_a\.", ".q_a_proj."),
-    (r"\.q_norm\.", ".q_a_norm."),
-    (r"\.wq_b\.", ".q_b_proj."),
-    (r"\.wkv\.", ".kv_proj."),
-    (r"\.wgate\.", ".gate_proj."),
-    (r"\.wo_a\.", ".o_a_proj."),
-    (r"\.wo_b\.", ".o_b_proj."),
-    (r"\.attn_sink$", ".sinks"),
-    (r"\.ape$", ".position_bias"),
-    (r"(compressor|indexer)\.norm\.", r"\1.kv_norm."),
-    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
-    (r"shared_experts\.w1\.", "shared_experts.gate_proj."),
-    (r"shared_experts\.w2\.", "shared_experts.down_proj."),
-    (r"shared_experts\.w3\.", "shared_experts.up_proj."),
-]
-
-
-def _hf_state_dict(weights: dict[str, np.ndarray]):
-    import torch
-
-    sd = {}
-    for key, value in weights.items():
-        if ".switch_mlp." in key:
-            continue
-        name = key
-        for pattern, repl in _HF_RENAMES:
-            name = re.sub(pattern, repl, name)
-        tensor = torch.from_numpy(np.ascontiguousarray(value))
-        sd[name] = tensor.long() if value.dtype == np.int32 else tensor
-    for i in range(TINY_CONFIG["num_hidden_layers"]):
-        p = f"layers.{i}.ffn.switch_mlp."
-        gate_up = np.concatenate(
-            [weights[p + "gate_proj.weight"], weights[p + "up_proj.weight"]], 1
-        )
-        sd[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.from_numpy(gate_up)
-        sd[f"model.layers.{i}.mlp.experts.down_proj"] = torch.from_numpy(
-            weights[p + "down_proj.weight"]
-        )
-    return sd
 
 
 @pytest.fixture(scope="module")
@@ -94,20 +37,14 @@ def reference(weights, tokens):
     hf_mod = pytest.importorskip("transformers.models.deepseek_v4")
     torch.manual_seed(0)
     hf = hf_mod.DeepseekV4ForCausalLM(hf_mod.DeepseekV4Config(**TINY_CONFIG)).eval().float()
-    hf.load_state_dict(_hf_state_dict(weights), strict=True)
+    hf.load_state_dict(dsv4_hf_state_dict(weights), strict=True)
     with torch.no_grad():
         return hf(input_ids=torch.from_numpy(tokens)[None]).logits[0].numpy()
 
 
-def _model(weights, **overrides) -> Model:
-    model = Model(args_from_config({**TINY_CONFIG, **overrides}))
-    model.load_weights([(k, mx.array(v)) for k, v in weights.items()], strict=True)
-    return model
-
-
 @pytest.fixture(scope="module")
 def model(weights):
-    return _model(weights)
+    return dsv4_model(weights)
 
 
 def _run_chunks(model: Model, tokens: np.ndarray, sizes: list[int]) -> np.ndarray:
@@ -161,7 +98,7 @@ def test_verify_accept_rollback_sequence_matches_transformers(model, tokens, ref
 def test_indexer_top_k_changes_the_logits(weights, tokens, reference):
     """Guards the parity tests: with top-k >= the pool the indexer selects everything, which
     must give different logits, so the tiny config really exercises sparse selection."""
-    dense = np.array(_model(weights, index_topk=1000)(mx.array(tokens)[None]))[0]
+    dense = np.array(dsv4_model(weights, index_topk=1000)(mx.array(tokens)[None]))[0]
     assert np.abs(dense - reference).max() > 1e-2
 
 
@@ -215,7 +152,7 @@ def test_fp4_fake_quant_rounds_to_nearest_even_on_the_e2m1_grid():
 
 
 def test_qat_switch_is_off_by_default_and_consistent_across_schedules(weights, tokens):
-    model = _model(weights)
+    model = dsv4_model(weights)
     assert model.qat is False
     short = tokens[:160]
     plain = np.array(model(mx.array(short)[None]))[0]

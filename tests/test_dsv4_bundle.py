@@ -8,7 +8,7 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from bitnest_mlx.models.deepseek_v4 import Model
+from factory import dsv4_model
 
 from bitnest_mlx import load
 from bitnest_mlx.demo import DEMO_BITS, TINY_CONFIG, random_weights, write_demo_bundle
@@ -53,12 +53,6 @@ def _edit_config(path, fn) -> None:
 
 def _logits(model, tokens=TOKENS) -> np.ndarray:
     return np.array(model(mx.array(tokens)[None]))[0]
-
-
-def _float_model(weights: dict[str, np.ndarray]) -> Model:
-    model = Model(args_from_config(TINY_CONFIG))
-    model.load_weights([(k, mx.array(v)) for k, v in weights.items()], strict=True)
-    return model
 
 
 # ---------------------------------------------------------------- layout and loading
@@ -147,9 +141,9 @@ def test_quantized_bundle_equals_float_model_with_dequantized_weights(written, w
     for name in deq:  # passthrough tensors were stored as float16
         if name in b.tensors and b.tensors[name].dtype == mx.float16:
             deq[name] = np.array(b.tensors[name].astype(mx.float32))
-    ref = _logits(_float_model(deq))
+    ref = _logits(dsv4_model(deq))
     assert np.abs(_logits(model) - ref).max() <= 1e-4
-    assert np.abs(ref - _logits(_float_model(weights))).max() > 1e-2  # quantization is real
+    assert np.abs(ref - _logits(dsv4_model(weights))).max() > 1e-2  # quantization is real
 
 
 def test_quantized_bundle_generates_with_cache_and_rollback(written):
@@ -190,7 +184,7 @@ def test_float_directory_with_official_names_loads_and_matches(tmp_path, weights
     keys = json.loads((path / dsv4_bundle.INDEX_FILE).read_text())["weight_map"]
     assert "layers.0.ffn.experts.0.w1.weight" in keys
     model, _ = load(path)
-    np.testing.assert_array_equal(_logits(model), _logits(_float_model(weights)))
+    np.testing.assert_array_equal(_logits(model), _logits(dsv4_model(weights)))
 
 
 def test_demo_bundle_is_deterministic_and_has_every_feature(tmp_path):
