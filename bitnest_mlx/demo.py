@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -128,22 +126,20 @@ def cache_dir() -> Path:
 
 
 def cached_build(name: str, build: Callable[[Path], None]) -> Path:
-    """`cache_dir()/name`, built once by `build(tmp)` and renamed into place, so a crashed or
-    concurrent build never leaves a half-written directory that a later run would use."""
+    """`cache_dir()/name`, built once by `build(tmp)` in a hidden sibling and renamed into place
+    (convert.output.atomic_directory), so a crashed or concurrent build never leaves a
+    half-written directory that a later run would use."""
+    from .convert.output import OutputError, atomic_directory
+
     target = cache_dir() / name
     if target.is_dir():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        build(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process won the race
-            if not target.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_directory(target) as tmp:
+            build(tmp)
+    except OutputError:  # another process finished the same build first
+        if not target.is_dir():
+            raise
     return target
 
 

@@ -13,6 +13,11 @@ imports one of these modules, so any process sees bitnest models without importi
 * `mlx_lm.generate` (patched right after it runs): `speculative_generate_step` runs bitnest's
   shared-cache loop for a (target, PATH#draft) pair and mlx-lm's own loop otherwise.
   `stream_generate` looks the function up at call time, so mlx-lm's CLI and server both use it.
+  `main` (`python -m mlx_lm generate`) turns our format errors into one line `error: ...`, exit 2.
+
+A broken package or bundle raises our own error from `mlx_lm.load` (PackageError / BundleError:
+one line naming file, tensor, expectation), never an error from deep inside mlx-lm or
+transformers.
 
 `register()` (exported as `bitnest_mlx.register_mlx_lm`) does the same in a process started
 without the hook, patching mlx-lm modules that are already imported.
@@ -23,6 +28,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import json
 import sys
 import warnings
 import weakref
@@ -183,8 +189,27 @@ def _mark(fn):
 
 
 def _local_format(path) -> str | None:
+    """Our format of a local directory; "bitnest" also when only config.json says so (the
+    manifest is missing), so that the bitnest reader names what is wrong."""
     path = Path(path)
-    return detect(path) if path.is_dir() else None
+    if not path.is_dir():
+        return None
+    found = detect(path)
+    if found is None:
+        try:
+            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if isinstance(config, dict) and config.get("model_type") == "bitnest":
+            return "bitnest"
+    return found
+
+
+def _format_error(fmt: str) -> type[Exception]:
+    from .formats.bitnest import PackageError
+    from .formats.dsv4_bundle import BundleError
+
+    return BundleError if fmt == "dsv4" else PackageError
 
 
 # Targets loaded through mlx-lm: key -> (weakref to model, tokenizer, config). Lets `PATH#draft`
@@ -209,10 +234,16 @@ def patch_utils(utils: ModuleType) -> None:
     @_mark
     @functools.wraps(orig_load_model)
     def load_model(model_path, lazy=False, strict=True, model_config=None, *args, **kwargs):
-        if _local_format(model_path) is None:
+        fmt = _local_format(model_path)
+        if fmt is None:
             return orig_load_model(model_path, lazy, strict, model_config, *args, **kwargs)
         from .loader import load_model as load_ours
 
+        if not (Path(model_path) / "config.json").is_file():
+            raise _format_error(fmt)(
+                f"{Path(model_path) / 'config.json'}: missing; mlx-lm reads the model's "
+                "config.json (bitnest-convert writes it next to the manifest)"
+            )
         _register_cache()
         model = load_ours(model_path)  # validated, weights evaluated (lazy does not apply)
         config = utils.load_config(Path(model_path))
@@ -222,10 +253,17 @@ def patch_utils(utils: ModuleType) -> None:
     @_mark
     @functools.wraps(orig_load_tokenizer)
     def load_tokenizer(model_path, tokenizer_config_extra=None, *args, **kwargs):
-        if _local_format(model_path) is not None:
+        fmt = _local_format(model_path)
+        if fmt is not None:
             # transformers cannot parse these config.json files (unknown model_type, llama3
             # rope scaling); an empty config stops AutoTokenizer from reading it.
-            from .loader import tokenizer_config
+            from .loader import _TOKENIZER_DEFINING, tokenizer_config
+
+            if not any((Path(model_path) / f).is_file() for f in _TOKENIZER_DEFINING):
+                raise _format_error(fmt)(
+                    f"{model_path}: no tokenizer files (expected one of "
+                    f"{', '.join(_TOKENIZER_DEFINING)}); mlx-lm needs a tokenizer"
+                )
 
             tokenizer_config_extra = {
                 "config": tokenizer_config(),
@@ -262,17 +300,40 @@ def patch_utils(utils: ModuleType) -> None:
 
 def patch_generate(generate: ModuleType) -> None:
     orig = generate.speculative_generate_step
-    if _patched(orig):
-        return
+    if not _patched(orig):
+
+        @_mark
+        @functools.wraps(orig)
+        def speculative_generate_step(prompt, model, draft_model, *args, **kwargs):
+            if isinstance(draft_model, DraftView):
+                return shared_cache_steps(prompt, model, draft_model, **kwargs)
+            return orig(prompt, model, draft_model, *args, **kwargs)
+
+        generate.speculative_generate_step = speculative_generate_step
+    if not _patched(generate.main):
+        generate.main = one_line_errors(generate.main)
+
+
+def one_line_errors(main):
+    """An mlx-lm CLI `main` that reports our load errors (a broken package or bundle, a Hub id
+    that cannot be resolved) as one line `error: ...` on stderr and exits with status 2, as our
+    own commands do. Any other error is mlx-lm's to report."""
 
     @_mark
-    @functools.wraps(orig)
-    def speculative_generate_step(prompt, model, draft_model, *args, **kwargs):
-        if isinstance(draft_model, DraftView):
-            return shared_cache_steps(prompt, model, draft_model, **kwargs)
-        return orig(prompt, model, draft_model, *args, **kwargs)
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        from .formats.bitnest import PackageError
+        from .formats.dsv4_bundle import BundleError
+        from .hub import HubError
 
-    generate.speculative_generate_step = speculative_generate_step
+        try:
+            return main(*args, **kwargs)
+        except (PackageError, BundleError, HubError) as e:
+            message = "; ".join(filter(None, map(str.strip, str(e).splitlines())))
+            print(f"error: {message}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    return wrapper
 
 
 def shared_cache_steps(
@@ -315,7 +376,7 @@ def shared_cache_steps(
             prefill_step_size=prefill_step_size,
         )
         return ((t, lp, False) for t, lp in steps)
-    return speculative.speculative_generate_step(
+    steps = speculative.speculative_generate_step(
         prompt,
         model,
         max_tokens=max_tokens,
@@ -325,6 +386,37 @@ def shared_cache_steps(
         prompt_cache=cache,
         prefill_step_size=prefill_step_size,
     )
+    return steps if cache is None else _settled(steps, model, cache, prompt.tolist())
+
+
+def _settled(steps, model: nn.Module, cache: list, tokens: list[int]):
+    """`steps`, leaving `cache` as mlx-lm's own generators do when they end or are closed:
+    holding what it held before, the prompt and every token yielded, no more, no less.
+
+    mlx-lm's server keys a saved prompt cache by those tokens and trims a reused one by their
+    count. bitnest's loop ends a round holding the accepted drafts, so a consumer that stops in
+    the middle of a round leaves extra positions, and the round's last token is not written yet.
+    """
+    start = cache[0].offset
+    try:
+        for step in steps:
+            tokens.append(step[0])
+            yield step
+    except GeneratorExit:
+        steps.close()
+        _settle(model, cache, start + len(tokens), tokens)
+        raise
+    _settle(model, cache, start + len(tokens), tokens)
+
+
+def _settle(model: nn.Module, cache: list, want: int, tokens: list[int]) -> None:
+    extra = cache[0].offset - want
+    if extra > 0:
+        for c in cache:
+            c.trim(extra)
+    elif extra < 0:  # write the missing positions, as the target does
+        model(mx.array([tokens[extra:]], dtype=mx.uint32), cache)
+        mx.eval([c.state for c in cache])
 
 
 def as_bitnest_sampler(sampler):

@@ -11,6 +11,9 @@ One model, one shared nested KV cache (docs/bitnest-package.md §5.5). A round w
 
 γ = 0 is a plain target-only step, so target-only decoding and the fallback take the same path.
 Sampling is lossless at any temperature (Leviathan et al. 2023 / Chen et al. 2023).
+
+A `seed` makes runs reproducible: keyed noise per token position, the Gumbel-max coupling (the
+output is the target-only sample for the seed, whatever γ) and γ from a fixed cost model.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from mlx_lm.generate import GenerationResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .layers.options import RunOptions
-from .sampling import Sampler, make_sampler, speculative_sample
+from .sampling import RULES, PositionNoise, Sampler, make_sampler, speculative_sample
+from .sampling import gumbel_speculative_sample as coupled_sample
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
@@ -73,12 +77,21 @@ class DraftLengthController:
     verifying is not free (on a compute-bound CPU it is ~linear in rows). The first rounds
     measure γ = max, 1 and (with fallback) 0; every `reprobe` target-only rounds one
     speculative round refreshes the estimates.
+
+    `costs=(draft step, verify fixed, verify per row)` (in target steps) replaces the measured
+    times: t_draft = costs[0], t_verify(k) = costs[1] + costs[2]·(k + 1), so γ depends only on
+    the acceptances. Seeded runs use FIXED_COSTS, a bandwidth-bound decode (Apple GPUs): a
+    draft step reads about half the target's bytes, each extra verified row adds a tenth of a
+    step; speculation pays above α ≈ 0.65.
     """
 
-    def __init__(self, max_gamma: int, fallback: bool = True, reprobe: int = 32):
+    FIXED_COSTS = (0.55, 0.9, 0.1)
+
+    def __init__(self, max_gamma: int, fallback: bool = True, reprobe: int = 32, costs=None):
         self.max_gamma, self.fallback, self.reprobe = max_gamma, fallback, reprobe
         self.hits, self.trials = 4.0, 5.0  # prior α = 0.8, weight of 5 drafts
-        self.t_draft: float | None = None
+        self.costs = costs
+        self.t_draft: float | None = None if costs is None else costs[0]
         self.t_verify: dict[int, float] = {}
         self.since_spec = 0
         self.warm = False
@@ -88,6 +101,8 @@ class DraftLengthController:
         return min(self.hits / self.trials, 0.999)
 
     def _verify_cost(self, k: int) -> float:
+        if self.costs is not None:
+            return self.costs[1] + self.costs[2] * (k + 1)
         if k in self.t_verify:
             return self.t_verify[k]
         ks = list(self.t_verify)
@@ -107,7 +122,7 @@ class DraftLengthController:
     def choose(self) -> int:
         if self.max_gamma == 0:
             return 0
-        for probe in (self.max_gamma, 1, 0):
+        for probe in (self.max_gamma, 1, 0) if self.costs is None else ():
             if probe not in self.t_verify and (probe > 0 or self.fallback):
                 return probe
         low = 0 if self.fallback and self.since_spec < self.reprobe else 1
@@ -117,6 +132,9 @@ class DraftLengthController:
         if gamma:
             self.hits = 0.95 * self.hits + accepted
             self.trials = 0.95 * self.trials + accepted + (accepted < gamma)
+        if self.costs is not None:  # the fixed model: measured times are not used
+            self.since_spec = self.since_spec + 1 if gamma == 0 else 0
+            return
         if not self.warm:  # the first round pays one-off costs (allocation, compilation)
             self.warm = True
             return
@@ -146,18 +164,20 @@ def draft(
     history: mx.array | None = None,
     processors: Sequence[LogitsProcessor] = (),
     options: RunOptions | None = None,
+    noise: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     """γ draft steps from token y [1]: writes cache positions P..P+γ-1 (W4, KV4 reads).
 
-    Returns the drafts [γ] and their processed log-probabilities q [γ, V].
+    Returns the drafts [γ] and their processed log-probabilities q [γ, V]. With `noise`
+    ([≥ γ, V] standard Gumbel, seeded runs) draft i is argmax(q_i + noise_i).
     """
     tokens, q_rows, x = [], [], y
-    for _ in range(gamma):
+    for i in range(gamma):
         logits = model(x[None], cache, "draft", options=options)[0, -1:]
         if processors:
             logits = _apply_processors(processors, mx.concatenate([history, *tokens]), logits)
         q_rows.append(sampler.logprobs(logits))
-        x = sampler.sample(q_rows[-1])
+        x = sampler.sample(q_rows[-1], None if noise is None else noise[i : i + 1])
         tokens.append(x)
     if not gamma:
         return mx.zeros((0,), dtype=mx.uint32), mx.zeros((0, model.args.vocab_size))
@@ -219,6 +239,8 @@ def speculative_generate_step(
     prompt_cache: list | None = None,
     prefill_step_size: int = 512,
     options: RunOptions | None = None,
+    seed: int | None = None,
+    rule: str | None = None,
 ) -> Generator[tuple[int, mx.array, bool], None, None]:
     """Yield (token, target log-probabilities [V], from_draft) like mlx-lm's generator.
 
@@ -227,12 +249,27 @@ def speculative_generate_step(
     `adaptive=False` always drafts `num_draft_tokens`; `parity=True` see `verify`. `options`
     (RunOptions; its mode is set per call) default to the model's own.
     `max_tokens < 0` means no limit.
+
+    `seed=None` uses the global `mx.random` state and measured costs. An int makes the run
+    reproducible: generated position i draws from `PositionNoise(seed)`, and γ follows
+    `DraftLengthController.FIXED_COSTS`, not wall time. `rule`: "gumbel" (the Gumbel-max
+    coupling: the output is the target-only sample for the seed, whatever γ; the default with a
+    seed) or "rejection" (higher acceptance, output depends on γ; the default without).
     """
+    rule = rule or ("rejection" if seed is None else "gumbel")
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, not {rule!r}")
     sampler = sampler or Sampler()
     processors = list(logits_processors or [])
     stats = stats if stats is not None else SpeculativeStats()
     cache = prompt_cache if prompt_cache is not None else model.make_cache(options)
-    control = DraftLengthController(num_draft_tokens, fallback)
+    costs = None if seed is None else DraftLengthController.FIXED_COSTS
+    control = DraftLengthController(num_draft_tokens, fallback, costs=costs)
+    if seed is None and rule == "gumbel":  # the coupling needs keyed noise: draw a seed
+        seed = mx.random.randint(0, 2**31 - 1).item()
+    noise = None if seed is None or sampler.temp == 0 else PositionNoise(seed)
+    rule = "gumbel" if sampler.temp == 0 else rule  # greedy: both are exact match; plain argmax
+    vocab = model.args.vocab_size
     history = prompt
 
     # Prefill prompt[:-1] with the target; the last prompt token starts the first round.
@@ -248,18 +285,25 @@ def speculative_generate_step(
         if max_tokens >= 0:
             gamma = min(gamma, max_tokens - produced - 1)
 
+        # Seeded: Gumbel rows g of positions produced..produced+γ (drafts, then the target's).
+        g = None if noise is None else noise.gumbel(produced, gamma + 1, vocab)
         tic = time.perf_counter()
-        drafts, q = draft(model, cache, y, gamma, sampler, history, processors, options)
+        drafts, q = draft(model, cache, y, gamma, sampler, history, processors, options, g)
         if gamma:
             mx.eval(drafts, q)
         draft_s = time.perf_counter() - tic
 
         tic = time.perf_counter()
         logits = verify(model, cache, y, drafts, history, processors, parity, options)
-        if gamma:
-            n, token = speculative_sample(drafts, q, sampler.logprobs(logits))
-        else:  # target-only step: what speculative_sample does for γ = 0, with fewer ops
-            n, token = mx.array(0), sampler(logits[0])
+        p = sampler.logprobs(logits)
+        if rule == "gumbel" or (g is not None and not gamma):  # emit t_i = argmax(p_i + g_i)
+            n, token = coupled_sample(drafts, p, g)
+        elif g is not None:  # seeded rejection sampling
+            n, token = noise.rejection_sample(drafts, q, p, produced, g)
+        elif gamma:
+            n, token = speculative_sample(drafts, q, p)
+        else:  # unseeded target-only step: what speculative_sample does for γ = 0
+            n, token = mx.array(0), sampler.sample(p[0])
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         mx.eval(n, token, logprobs)
         n = n.item()
@@ -294,12 +338,15 @@ def stream_generate(
     *,
     sampler: Callable | None = None,
     stats: SpeculativeStats | None = None,
+    seed: int | None = None,
     **kwargs,
 ) -> Generator[GenerationResponse, None, None]:
     """mlx-lm's `stream_generate` for bitnest models, speculative by default.
 
     kwargs go to `speculative_generate_step` (num_draft_tokens, fallback, adaptive, parity,
-    logits_processors, prompt_cache, prefill_step_size). `sampler` must come from
+    rule, logits_processors, prompt_cache, prefill_step_size). `seed` (int) makes the output
+    reproducible run to run and equal to target-only decoding's (`num_draft_tokens=0`) with
+    the same seed; None uses the global `mx.random` state. `sampler` must come from
     `bitnest_mlx.make_sampler(...)` (rejection sampling needs its distribution), or be None
     (greedy) or mlx-lm's greedy sampler.
     Pass a `SpeculativeStats` as `stats` to read acceptance and timing afterwards.
@@ -326,7 +373,7 @@ def stream_generate(
 
     tic = time.perf_counter()
     steps = speculative_generate_step(
-        prompt, model, max_tokens=max_tokens, sampler=sampler, stats=stats, **kwargs
+        prompt, model, max_tokens=max_tokens, sampler=sampler, stats=stats, seed=seed, **kwargs
     )
     for n, (token, logprobs, from_draft) in enumerate(steps):
         if n == 0:
@@ -363,7 +410,8 @@ def generate(
     verbose: bool = False,
     **kwargs,
 ) -> str:
-    """The whole completion as a string (mlx-lm's `generate`); kwargs as `stream_generate`."""
+    """The whole completion as a string (mlx-lm's `generate`); kwargs (seed, sampler, ...) as
+    `stream_generate`."""
     text, r = "", None
     for r in stream_generate(model, tokenizer, prompt, **kwargs):
         text += r.text
@@ -380,6 +428,7 @@ def generate(
 
 __all__ = [
     "DraftLengthController",
+    "PositionNoise",
     "commit",
     "draft",
     "verify",

@@ -274,6 +274,22 @@ def tiny_package(out: Path, seed: int, vocab: int = VOCAB, layers: int = 1, outl
     return model
 
 
+def differing_pair(out: Path, temp: float):
+    """A vocab-8 package whose draft and target distributions differ (total variation > 0.1)
+    after token 3: (model, y = [3], sampler at `temp`, target p [8], draft q [8] probabilities)."""
+    import mlx.core as mx
+
+    from bitnest_mlx.sampling import make_sampler
+
+    model = tiny_package(out, seed=3, vocab=8, outlier=8.0)
+    y = mx.array([3], dtype=mx.uint32)
+    sampler = make_sampler(temp)
+    p = np.exp(np.array(sampler.logprobs(model(y[None], mode="target")[0, -1])))
+    q = np.exp(np.array(sampler.logprobs(model(y[None], mode="draft")[0, -1])))
+    assert 0.5 * np.abs(p - q).sum() > 0.1  # the draft really differs
+    return model, y, sampler, p, q
+
+
 # ---------------------------------------------------------------------------------------------
 # Parity cases against transformers: one Llama with R4 K = 12, one Qwen2 with K = 1
 

@@ -1,4 +1,5 @@
-"""`python -m bitnest_mlx.server` as a child process on a free 127.0.0.1 port, for tests."""
+"""`python -m bitnest_mlx.server` as a child process on a free 127.0.0.1 port, for tests, and the
+small HTTP clients the server tests share (every call bounded in time)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,17 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+START_TIMEOUT = 120  # seconds for the model to load and the port to answer
 
 
 def free_port() -> int:
@@ -22,32 +27,73 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def server_command(args: list[str], port: int) -> list[str]:
+    return [sys.executable, "-m", "bitnest_mlx.server", *args, "--host", "127.0.0.1"] + [
+        "--port",
+        str(port),
+    ]
+
+
 @contextmanager
 def running_server(args: list[str], log_file: Path, env: dict | None = None) -> Iterator[str]:
     """Start the server with `args` (--model ...), wait until /v1/models answers, yield its URL."""
     port = free_port()
     with open(log_file, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "bitnest_mlx.server", *args]
-            + ["--host", "127.0.0.1", "--port", str(port)],
+            server_command(args, port),
             env={**os.environ, **(env or {})},
             stdout=log,
             stderr=subprocess.STDOUT,
         )
         url = f"http://127.0.0.1:{port}"
         try:
-            for _ in range(600):
+            deadline = time.monotonic() + START_TIMEOUT
+            while True:
                 if proc.poll() is not None:
                     pytest.fail(log_file.read_text()[-2000:])
                 try:
                     urllib.request.urlopen(url + "/v1/models", timeout=1).read()
                     break
                 except OSError:
+                    if time.monotonic() > deadline:
+                        pytest.fail("server did not answer:\n" + log_file.read_text()[-2000:])
                     time.sleep(0.1)
             yield url
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+
+
+def failed_start(args: list[str], env: dict | None = None) -> tuple[int, str, bool]:
+    """Run a server that is expected to refuse to start: (exit status, stderr, whether anything
+    ever accepted a connection on its port while it ran)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        server_command(args, port),
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    listened = threading.Event()
+
+    def probe() -> None:
+        while proc.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                listened.set()
+                return
+            except OSError:
+                time.sleep(0.05)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    try:
+        _, err = proc.communicate(timeout=START_TIMEOUT)
+    finally:
+        proc.kill()
+        prober.join(timeout=5)
+    return proc.returncode, err, listened.is_set()
 
 
 def post(url: str, route: str, body: dict) -> bytes:
@@ -56,3 +102,43 @@ def post(url: str, route: str, body: dict) -> bytes:
     )
     with urllib.request.urlopen(req, timeout=120) as r:
         return r.read()
+
+
+def request(url: str, route: str, body: dict | bytes | None = None) -> tuple[int, bytes]:
+    """(status, body) of a GET (no body) or a POST (a dict as JSON, bytes as they are); an HTTP
+    error status is returned, not raised."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + route, data=data)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.read()
+
+
+def stream_text(raw: bytes) -> str:
+    """The text of a streamed chat completion (its `data:` events up to [DONE])."""
+    events = [ln[len("data: ") :] for ln in raw.decode().splitlines() if ln.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", raw[-500:]
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1] if json.loads(e)["choices"]]
+    return "".join(c["delta"].get("content") or "" for c in chunks)
+
+
+def disconnect_mid_stream(url: str, route: str, body: dict, events: int = 1) -> None:
+    """POST a streaming request, read `events` data events, then close the connection."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps({**body, "stream": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(
+            f"POST {route} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        seen = b""
+        while seen.count(b"data: ") < events:
+            chunk = s.recv(65536)
+            assert chunk, seen[-500:]
+            seen += chunk

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from factory import make_package, shard
 
 import bitnest_mlx
 from bitnest_mlx.demo import demo_path, write_tokenizer
@@ -202,3 +203,118 @@ def test_prompt_cache_file_round_trip_restores_nested_cache(mlx_lm, package, tmp
     want, got = model(step, cache=cache), model(step, cache=loaded)
     assert mx.array_equal(want, got)
     assert (loaded[0].group_size, loaded[0].quantized) == (cache[0].group_size, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Broken packages: our one-line errors, from mlx_lm.load and from mlx-lm's CLI
+
+
+def break_package(pkg: Path, how: str) -> tuple[str, str]:
+    """Break `pkg` in one way; (the path the error must name, a phrase it must contain)."""
+    if how == "truncated shard":
+        broken = pkg / sorted(set(shard(pkg).values()))[-1]
+        broken.write_bytes(broken.read_bytes()[:-1000])
+        return str(broken), "truncated"
+    if how == "no manifest":  # config.json still says model_type bitnest
+        (pkg / "bitnest.json").unlink()
+        return str(pkg), "no manifest"
+    if how == "no config.json":
+        (pkg / "config.json").unlink()
+        return str(pkg / "config.json"), "missing"
+    assert how == "no tokenizer"
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (pkg / f).unlink()
+    return str(pkg), "no tokenizer files"
+
+
+@pytest.fixture
+def tiny_package(tmp_path) -> Path:
+    return make_package(tmp_path / "pkg", tokenizer=True)[0]
+
+
+@pytest.mark.parametrize(
+    "how", ["truncated shard", "no manifest", "no config.json", "no tokenizer"]
+)
+def test_mlx_lm_load_of_broken_package_raises_package_error(mlx_lm, tiny_package, how):
+    from bitnest_mlx.formats.bitnest import PackageError
+
+    named, phrase = break_package(tiny_package, how)
+    with pytest.raises(PackageError) as e:
+        mlx_lm.load(str(tiny_package))
+    message = str(e.value)
+    assert "\n" not in message and named in message and phrase in message
+
+
+def test_mlx_lm_cli_on_broken_package_is_one_line_and_exit_2(tiny_package, tmp_path):
+    named, _ = break_package(tiny_package, "truncated shard")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_lm", "generate", "--model", str(tiny_package)]
+        + ["--prompt", "hi", "--max-tokens", "4"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The prompt cache after a speculative stream, as mlx-lm's server reuses it
+
+
+@pytest.mark.parametrize("stop_after", [1, 2, 3, 5, None])
+def test_speculative_stream_leaves_cache_at_prompt_plus_yielded_tokens(mlx_lm, package, stop_after):
+    """mlx-lm's server keys a saved cache by prompt + yielded tokens and trims it by that count:
+    the shared-cache loop must leave exactly those positions, however the consumer stops."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = mlx_lm.load(package)
+    draft, _ = mlx_lm.load(package + "#draft")
+    prompt = tokenizer.encode("The river runs slowly through the")
+    cache = make_prompt_cache(model) + make_prompt_cache(draft)
+    got = []
+    for r in mlx_lm.stream_generate(
+        model, tokenizer, prompt, max_tokens=8, draft_model=draft, prompt_cache=cache
+    ):
+        got.append(r.token)
+        if len(got) == stop_after:
+            break
+    assert cache[0].offset == len(prompt) + len(got)
+
+
+def test_server_style_cache_reuse_matches_a_fresh_run(mlx_lm, package):
+    """LRUPromptCache as mlx_lm.server uses it, after an abandoned stream: same tokens, same
+    log-probabilities as a run without a cache."""
+    from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+
+    model, tokenizer = mlx_lm.load(package)
+    draft, _ = mlx_lm.load(package + "#draft")
+    prompt = tokenizer.encode("The mill has not turned")
+
+    def run(lru, stop_after=None, max_tokens=8):
+        key = prompt[:]
+        cache, rest = lru.fetch_nearest_cache("m", key) if lru else (None, prompt)
+        cache = cache or make_prompt_cache(model)
+        out = []
+        for r in mlx_lm.stream_generate(
+            model, tokenizer, rest, max_tokens=max_tokens, draft_model=draft, prompt_cache=cache
+        ):
+            out.append((r.token, r.logprobs[r.token].item()))
+            key.append(r.token)
+            if len(out) == stop_after:
+                break
+        if lru is not None:
+            lru.insert_cache("m", key, cache)
+        return out
+
+    fresh = run(None)
+    lru = LRUPromptCache(4)
+    assert run(lru) == fresh
+    run(lru, stop_after=2, max_tokens=64)  # a client that went away mid-stream
+    again = run(lru)
+    assert [t for t, _ in again] == [t for t, _ in fresh]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(again, fresh)) < 1e-4

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hub_server import FakeHub  # noqa: E402
-from server_process import post, running_server  # noqa: E402
+from server_process import post, request, running_server  # noqa: E402
 
 from bitnest_mlx.cli.server import server_argv  # noqa: E402
 from bitnest_mlx.demo import demo_path  # noqa: E402
@@ -68,3 +68,13 @@ def test_chat_completion_non_streaming_and_streaming_agree(server):
     text = "".join(c["delta"].get("content") or "" for c in chunks)
     assert text == choice["message"]["content"]  # greedy: speculation is lossless
     assert chunks[-1]["finish_reason"] == "length"
+
+
+def test_models_lists_the_hub_id_and_requests_may_name_it(server):
+    status, raw = request(server, "/v1/models")
+    assert status == 200
+    assert [m["id"] for m in json.loads(raw)["data"]] == ["org/pkg"]
+    answer = json.loads(_post(server, {**REQUEST, "model": "org/pkg", "temperature": 0.0}))
+    assert answer["choices"][0]["message"]["content"]
+    status, raw = request(server, "/v1/chat/completions", {**REQUEST, "model": "org/other"})
+    assert status == 404 and "org/pkg" in json.loads(raw)["error"]

@@ -5,7 +5,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from factory import tiny_package
+from factory import differing_pair, tiny_package
 from mlx_lm.generate import GenerationResponse, generate_step
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
@@ -178,12 +178,7 @@ def test_greedy_sampler_is_exact_match_acceptance():
 
 
 def test_end_to_end_first_token_follows_target_distribution(tmp_path):
-    model = tiny_package(tmp_path / "v8", seed=3, vocab=8, outlier=8.0)
-    y = mx.array([3], dtype=mx.uint32)
-    sampler = make_sampler(1.0)
-    p = np.exp(np.array(sampler.logprobs(model(y[None], mode="target")[0, -1])))
-    q = np.exp(np.array(sampler.logprobs(model(y[None], mode="draft")[0, -1])))
-    assert 0.5 * np.abs(p - q).sum() > 0.1  # the draft really differs
+    model, y, sampler, p, q = differing_pair(tmp_path / "v8", 1.0)
     counts, from_draft = np.zeros(8, dtype=int), 0
     for _ in range(600):
         steps = speculative_generate_step(

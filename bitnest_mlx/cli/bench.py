@@ -24,6 +24,7 @@ from ..demo import CORPUS
 from ..layers.dual_plane import DualPlaneLinear
 from ..loader import load
 from ..sampling import make_sampler
+from .args import Parser, int_at_least, non_negative_float, non_negative_int, positive_int, refuse
 
 # Peak memory bandwidth (GB/s, Apple specifications).
 CHIPS = {
@@ -66,18 +67,25 @@ def achieved_bandwidth(bytes_per_token: dict, tps: dict, peak: tuple[str, float]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m bitnest_mlx.bench",
         description="Benchmark draft-only, target-only and speculative decoding of a bitnest "
         "package against mlx-lm's Llama at 4 and 8 bits (default model: the demo).",
     )
     p.add_argument("--model", help="package directory or Hub id (default: the demo package)")
-    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length")
-    p.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per run")
-    p.add_argument("--num-draft-tokens", type=int, default=3, help="maximum draft length")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--repeats", type=int, default=1, help="runs per measurement (best kept)")
-    p.add_argument("--seed", type=int, default=0)
+    at_least_2 = int_at_least(2)
+    p.add_argument("--prompt-tokens", type=at_least_2, default=128, help="prompt length (>= 2)")
+    p.add_argument("--gen-tokens", type=at_least_2, default=64, help="tokens per run (>= 2)")
+    p.add_argument(
+        "--num-draft-tokens", type=non_negative_int, default=3, help="maximum draft length (>= 0)"
+    )
+    p.add_argument(
+        "--temp", type=non_negative_float, default=0.0, help="temperature (>= 0; 0 = greedy)"
+    )
+    p.add_argument(
+        "--repeats", type=positive_int, default=1, help="runs per measurement, best kept (>= 1)"
+    )
+    p.add_argument("--seed", type=non_negative_int, default=0, help="random seed (>= 0)")
     p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm peer baseline")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -391,17 +399,13 @@ def report(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.prompt_tokens < 2 or args.gen_tokens < 2:
-        print("error: --prompt-tokens and --gen-tokens must be >= 2", file=sys.stderr)
-        return 2
     from ..formats.bitnest import PackageError
     from ..hub import HubError
 
     try:
         result = run(args)
     except (PackageError, HubError) as e:  # --model could not be fetched or read
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return refuse(e)
     print(json.dumps(result, indent=2) if args.json else report(result))
     return 0
 

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from ..convert import convert
 from ..convert.rotation import ROTATIONS
-from ..convert.sources import SourceError
 from ..formats.bitnest import KV_GROUPS
+from .args import Parser, float_at_least, int_at_least, non_negative_int, positive_int, refuse
 
 
 def _slack(value: str) -> float | None:
@@ -24,21 +26,44 @@ def _slack(value: str) -> float | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m bitnest_mlx.convert",
         description="Convert a Llama/Qwen2 checkpoint to a bitnest package: RMSNorm folding, "
-        "R1/R2 rotations, R4 Hadamard, GPTQ (hi plane) + RTN residual (lo plane).",
+        "R1/R2 rotations, R4 Hadamard, GPTQ (hi plane) + RTN residual (lo plane). The package "
+        "is written into a hidden sibling of --out and renamed into place when complete.",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf-path", help="Hugging Face checkpoint directory (safetensors)")
     src.add_argument("--gguf", help="GGUF file of arch llama or qwen2")
-    p.add_argument("--out", required=True, help="output package directory")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output package directory: not the source or inside its directory; an existing "
+        "non-empty one is refused unless --force",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing non-empty --out (removed only once the new package is complete)",
+    )
     p.add_argument("--calib", help="calibration text file (default: built-in corpus)")
     p.add_argument("--method", choices=("gptq", "rtn"), default="gptq", help="hi-plane method")
     p.add_argument("--rotate", choices=ROTATIONS, default="hadamard", help="R1/R2 rotation kind")
-    p.add_argument("--seed", type=int, default=0, help="seed for rotations (default 0)")
-    p.add_argument("--calib-tokens", type=int, default=8192, help="calibration tokens for GPTQ")
-    p.add_argument("--calib-seq-len", type=int, default=256, help="calibration sequence length")
+    p.add_argument(
+        "--seed", type=non_negative_int, default=0, help="seed for rotations (>= 0; default 0)"
+    )
+    p.add_argument(
+        "--calib-tokens",
+        type=positive_int,
+        default=8192,
+        help="calibration tokens for GPTQ (>= 1; default %(default)s)",
+    )
+    p.add_argument(
+        "--calib-seq-len",
+        type=int_at_least(2),
+        default=256,
+        help="calibration sequence length (>= 2; default %(default)s)",
+    )
     p.add_argument(
         "--lo",
         choices=("gptq", "rtn"),
@@ -46,7 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="lo plane with --method gptq: GPTQ-compensated residual (default) or the plain RTN "
         "residual of the seed format (saturates where GPTQ moved the hi code)",
     )
-    p.add_argument("--damp", type=float, default=0.01, help="GPTQ Hessian damping (x mean diag)")
+    p.add_argument(
+        "--damp",
+        type=float_at_least(0.0),
+        default=0.01,
+        help="GPTQ Hessian damping, x mean diagonal (>= 0; default %(default)s)",
+    )
     p.add_argument(
         "--w8-slack",
         type=_slack,
@@ -72,9 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _terminate(signum, frame):
+    """SIGTERM -> SystemExit, so the half-written package is removed as on Ctrl-C."""
+    sys.exit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.calib is not None and not Path(args.calib).is_file():
+        return refuse(f"--calib {args.calib}: no such file")
     tic = time.perf_counter()
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
     try:
         with tempfile.TemporaryDirectory() as tmp:
             summary = convert(
@@ -93,10 +132,16 @@ def main(argv: list[str] | None = None) -> int:
                 r3=args.r3 == "on",
                 kv_group=args.kv_group,
                 scratch=Path(tmp),
+                force=args.force,
             )
-    except (SourceError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as e:  # SourceError, OutputError and PackageError included
+        return refuse(e)
+    except KeyboardInterrupt:
+        print(f"error: interrupted; no package was written to {args.out}", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     summary["seconds"] = round(time.perf_counter() - tic, 1)
     print(json.dumps(summary, indent=2))
     return 0

@@ -9,31 +9,69 @@ import time
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
-from mlx_lm.sample_utils import make_sampler
 
 from .. import speculative
 from ..formats.bitnest import PackageError
 from ..hub import HubError
 from ..loader import load
+from ..sampling import SeededSampler
 from ..sampling import make_sampler as bitnest_make_sampler
+from .args import (
+    Parser,
+    fraction,
+    non_empty,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    probability,
+)
 
 MODES = ("speculative", "target", "draft")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m bitnest_mlx.generate",
         description="Generate text with a bitnest package. Without --model the embedded demo "
         "package is built (offline, once) and used.",
     )
     p.add_argument("--model", help="package directory or Hub id org/repo[@rev] (default: demo)")
-    p.add_argument("--prompt", "-p", default="Hello", help="prompt text (default: %(default)r)")
-    p.add_argument("--max-tokens", "-m", type=int, default=100, help="tokens to generate")
-    p.add_argument("--temp", type=float, default=0.8, help="sampling temperature; 0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling (0 = off)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument(
+        "--prompt",
+        "-p",
+        type=non_empty,
+        default="Hello",
+        help="prompt text, not empty (default: %(default)r)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        "-m",
+        type=positive_int,
+        default=100,
+        help="maximum tokens to generate (>= 1; default %(default)s); generation stops earlier "
+        "at an end-of-sequence token or at the end of the model's context, whichever comes first",
+    )
+    p.add_argument(
+        "--temp",
+        type=non_negative_float,
+        default=0.8,
+        help="sampling temperature (>= 0; 0 = greedy; default %(default)s)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=probability,
+        default=1.0,
+        help="nucleus sampling threshold, in (0, 1] (1 = off)",
+    )
+    p.add_argument(
+        "--top-k", type=non_negative_int, default=0, help="top-k sampling (>= 0; 0 = off)"
+    )
+    p.add_argument(
+        "--min-p", type=fraction, default=0.0, help="min-p sampling, in [0, 1) (0 = off)"
+    )
+    p.add_argument(
+        "--seed", type=non_negative_int, default=0, help="random seed, >= 0 (default: %(default)s)"
+    )
     p.add_argument(
         "--mode",
         choices=MODES,
@@ -43,10 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--num-draft-tokens",
-        type=int,
+        type=non_negative_int,
         default=3,
-        help="speculative: maximum draft length per round, adapted down from acceptance and "
-        "measured costs; 0 = target-only (default: %(default)s)",
+        help="speculative: maximum draft length per round (>= 0), adapted down from acceptance "
+        "and measured costs; 0 = target-only (default: %(default)s)",
     )
     p.add_argument(
         "--no-fallback",
@@ -78,9 +116,6 @@ def main(argv: list[str] | None = None) -> int:
         from ..demo import demo_path
 
         model_path = demo_path()
-    if args.num_draft_tokens < 0:
-        print("error: --num-draft-tokens must be >= 0", file=sys.stderr)
-        return 2
     try:
         tic = time.perf_counter()
         model, tokenizer = load(model_path, mode="draft" if args.mode == "draft" else "target")
@@ -112,21 +147,23 @@ def main(argv: list[str] | None = None) -> int:
     max_tokens = min(args.max_tokens, context - len(prompt))
     sampling = dict(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     spec_stats = speculative.SpeculativeStats()
-    if args.mode == "speculative":
+    # Seeded in every mode: generated position i draws with PositionNoise(args.seed), so the
+    # text is the same run to run, and target mode (the loop with γ = 0) equals speculative.
+    if args.mode == "speculative" or (args.mode == "target" and model.supports_draft):
         responses = speculative.stream_generate(
             model,
             tokenizer,
             prompt,
             max_tokens=max_tokens,
             sampler=bitnest_make_sampler(**sampling),
-            num_draft_tokens=args.num_draft_tokens,
+            num_draft_tokens=args.num_draft_tokens if args.mode == "speculative" else 0,
             fallback=not args.no_fallback,
             stats=spec_stats,
+            seed=args.seed,
         )
-    else:
-        responses = stream_generate(
-            model, tokenizer, prompt, max_tokens=max_tokens, sampler=make_sampler(**sampling)
-        )
+    else:  # the draft reading, or a model without one (DeepSeek-V4): mlx-lm's loop, same noise
+        seeded = SeededSampler(bitnest_make_sampler(**sampling), args.seed)
+        responses = stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=seeded)
 
     text, tokens, last = [], [], None
     for r in responses:

@@ -6,7 +6,12 @@ The same server as `python -m mlx_lm server` (all its flags; see docs/server.md)
   files the format needs, one-line errors);
 * for a bitnest package, `--draft-model` defaults to `MODEL#draft`: the draft reading of the
   same weights, decoded with bitnest's shared-cache self-speculative loop (`--target-only`
-  turns it off; `--num-draft-tokens` is the maximum draft length).
+  turns it off; `--num-draft-tokens` is the maximum draft length);
+* the model is loaded and validated before the port is bound: a broken package, bundle or Hub id
+  is one line `error: ...` on stderr and exit status 2, with nothing listening;
+* one startup line (model, format, mode, speculation, kernels, context), `/v1/models` without a
+  Hugging Face cache, quiet client disconnects, and a 4xx JSON error for a bad request
+  (`bitnest_mlx.cli.serving`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import sys
 from ..hub import HubError, resolve
 from ..loader import supports_draft
 from ..mlx_lm_plugin import DRAFT_SUFFIX, register
+from .args import refuse
 
 
 def server_argv(argv: list[str]) -> list[str]:
@@ -37,6 +43,7 @@ def server_argv(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    aliases: tuple[str, ...] = ()
     if {"-h", "--help"} & set(argv):  # ours, then mlx-lm's own help
         print(__doc__.strip() + "\n\nbitnest flag: --target-only\n", flush=True)
         args = argv
@@ -44,14 +51,23 @@ def main(argv: list[str] | None = None) -> int:
         try:
             args = server_argv(argv)
         except HubError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            return refuse(e)
+        aliases = (_given_model(argv),)
     register()
-    import mlx_lm.server
+    from . import serving
 
-    sys.argv = ["bitnest_mlx.server", *args]
-    mlx_lm.server.main()
+    try:
+        serving.main(args, aliases)
+    except (*serving.OUR_ERRORS, serving.LoadFailed) as e:
+        return refuse(e)
     return 0
+
+
+def _given_model(argv: list[str]) -> str:
+    """--model as the user wrote it (a Hub id, a relative path): clients may name it so."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model")
+    return p.parse_known_args(argv)[0].model
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """Checkpoint -> bitnest package: fold norms, rotate (R1/R2), then `write_package` fuses R4 and
-quantizes each Linear with GPTQ (hi plane) or RTN, with the RTN residual as the lo plane."""
+quantizes each Linear with GPTQ (hi plane) or RTN, with the RTN residual as the lo plane.
+
+The package is written into a hidden sibling of `out` and renamed into place at the end
+(`output.atomic_directory`); `out` may never be, or lie inside, the source (`check_output`)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from ..formats.bitnest import Planes, planes_from_codes
 from ..formats.hadamard import hadamard_k, split_k
 from .calib import calibration_tokens
 from .gptq import SequentialGPTQ
+from .output import OutputError, atomic_directory, check_output
 from .package import fold_norms, write_package
 from .rotation import rotate
 from .sources import load_gguf, load_hf
@@ -40,84 +44,106 @@ def convert(
     r3: bool = True,
     kv_group: int = 32,
     scratch: Path,
+    force: bool = False,
 ) -> dict:
-    """Convert one checkpoint; returns a summary (also recorded in the manifest's `conversion`)."""
+    """Convert one checkpoint; returns a summary (also recorded in the manifest's `conversion`).
+
+    `out` must not be the source or lie inside its directory, nor contain an input; an existing
+    non-empty `out` is replaced only with `force`, and only once the new package is complete
+    (OutputError otherwise, before anything is read). Nothing appears at `out` until the end: an
+    exception or KeyboardInterrupt leaves it as it was, with no temporary folder beside it.
+    """
     if (hf_path is None) == (gguf is None):
         raise ValueError("give exactly one of hf_path or gguf")
-    source = load_hf(hf_path) if hf_path else load_gguf(gguf, scratch / "tokenizer")
-    config = source.config
-    n_layers = config["num_hidden_layers"]
-    weights = rotate(fold_norms(source.weights, n_layers), config, rotate_kind, seed)
-    del source.weights  # the folded copy is all that is needed; halves peak memory
+    check_output(
+        out,
+        source=hf_path or gguf,
+        source_is_dir=hf_path is not None,
+        inputs=[calib] if calib else [],
+        replace=force,
+    )
+    with atomic_directory(out, replace=force) as tmp:
+        source = load_hf(hf_path) if hf_path else load_gguf(gguf, scratch / "tokenizer")
+        config = source.config
+        n_layers = config["num_hidden_layers"]
+        weights = rotate(fold_norms(source.weights, n_layers), config, rotate_kind, seed)
+        del source.weights  # the folded copy is all that is needed; halves peak memory
 
-    bar = tqdm(total=n_layers + 1, desc=f"{method} {source.name}", unit="layer")
-    k = split_k(config["intermediate_size"])
-    if method == "gptq":
-        tokens = calibration_tokens(
-            _tokenizer(source.tokenizer_dir), calib, calib_tokens, calib_seq_len
-        )
-        quantize = SequentialGPTQ(
+        bar = tqdm(total=n_layers + 1, desc=f"{method} {source.name}", unit="layer")
+        k = split_k(config["intermediate_size"])
+        if method == "gptq":
+            tokens = calibration_tokens(
+                _tokenizer(source.tokenizer_dir), calib, calib_tokens, calib_seq_len
+            )
+            quantize = SequentialGPTQ(
+                weights,
+                config,
+                tokens,
+                hadamard_k(k) if k > 1 else None,
+                damp,
+                progress=lambda _: bar.update(),
+                lo_method=lo_method,
+                w8_slack=w8_slack,
+            )
+        elif method == "rtn":
+            quantize = lambda name, w: planes_from_codes(w)
+        else:
+            raise ValueError(f"unknown method {method!r}; expected gptq or rtn")
+
+        stats: dict[str, dict] = {}
+
+        def recording(name: str, w: np.ndarray) -> Planes:
+            planes = quantize(name, w)
+            stats[name] = {
+                "saturation": round(planes.saturation, 6),
+                "w8_max_rel_err": float(f"{planes.w8_max_rel_err:.3e}"),
+                "w4_rel_fro_err": round(planes.w4_rel_fro_err, 5),
+            }
+            if (method == "rtn" and name.endswith("down_proj")) or name == "lm_head":
+                bar.update()
+            return planes
+
+        summary = {
+            "source": str(hf_path or gguf),
+            "method": method,
+            "lo_method": lo_method if method == "gptq" else "rtn",
+            "w8_slack": w8_slack if method == "gptq" else None,
+            "rotation": rotate_kind,
+            "seed": seed,
+            "r4_k": k,
+            "r3": r3,
+            "kv_group": kv_group,
+            "calibration_tokens": int(tokens.size) if method == "gptq" else 0,
+        }
+        write_package(
+            tmp,
             weights,
             config,
-            tokens,
-            hadamard_k(k) if k > 1 else None,
-            damp,
-            progress=lambda _: bar.update(),
-            lo_method=lo_method,
-            w8_slack=w8_slack,
+            quantize=recording,
+            tokenizer_dir=source.tokenizer_dir,
+            name=source.name,
+            source_model=str(hf_path or gguf),
+            notes={**summary, "per_linear": stats},
+            r3=r3,
+            kv_group=kv_group,
         )
-    elif method == "rtn":
-        quantize = lambda name, w: planes_from_codes(w)
-    else:
-        raise ValueError(f"unknown method {method!r}; expected gptq or rtn")
-
-    stats: dict[str, dict] = {}
-
-    def recording(name: str, w: np.ndarray) -> Planes:
-        planes = quantize(name, w)
-        stats[name] = {
-            "saturation": round(planes.saturation, 6),
-            "w8_max_rel_err": float(f"{planes.w8_max_rel_err:.3e}"),
-            "w4_rel_fro_err": round(planes.w4_rel_fro_err, 5),
+        bar.close()
+        layers = [s for n, s in stats.items() if n != "lm_head"]
+        return {
+            **summary,
+            "out": str(out),
+            "mean_w4_rel_fro_err": round(float(np.mean([s["w4_rel_fro_err"] for s in layers])), 5),
+            "mean_saturation": round(float(np.mean([s["saturation"] for s in layers])), 6),
+            "max_w8_max_rel_err": max(s["w8_max_rel_err"] for s in layers),
+            "lm_head": stats["lm_head"],
         }
-        if (method == "rtn" and name.endswith("down_proj")) or name == "lm_head":
-            bar.update()
-        return planes
-
-    summary = {
-        "source": str(hf_path or gguf),
-        "method": method,
-        "lo_method": lo_method if method == "gptq" else "rtn",
-        "w8_slack": w8_slack if method == "gptq" else None,
-        "rotation": rotate_kind,
-        "seed": seed,
-        "r4_k": k,
-        "r3": r3,
-        "kv_group": kv_group,
-        "calibration_tokens": int(tokens.size) if method == "gptq" else 0,
-    }
-    write_package(
-        out,
-        weights,
-        config,
-        quantize=recording,
-        tokenizer_dir=source.tokenizer_dir,
-        name=source.name,
-        source_model=str(hf_path or gguf),
-        notes={**summary, "per_linear": stats},
-        r3=r3,
-        kv_group=kv_group,
-    )
-    bar.close()
-    layers = [s for n, s in stats.items() if n != "lm_head"]
-    return {
-        **summary,
-        "out": str(out),
-        "mean_w4_rel_fro_err": round(float(np.mean([s["w4_rel_fro_err"] for s in layers])), 5),
-        "mean_saturation": round(float(np.mean([s["saturation"] for s in layers])), 6),
-        "max_w8_max_rel_err": max(s["w8_max_rel_err"] for s in layers),
-        "lm_head": stats["lm_head"],
-    }
 
 
-__all__ = ["convert", "fold_norms", "write_package"]
+__all__ = [
+    "OutputError",
+    "atomic_directory",
+    "check_output",
+    "convert",
+    "fold_norms",
+    "write_package",
+]

@@ -1,0 +1,96 @@
+"""What the commands share about their arguments: argparse `type=` validators that name the bound,
+and a parser whose refusals are one line.
+
+A value out of range is refused before anything is loaded: exit status 2 and one line on stderr,
+`error: argument --top-p: must be in (0, 1], got 1.5`, with no usage block and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, `error: <what>`, with exit status 2."""
+
+    def error(self, message: str):  # argparse's hook for every refusal it makes
+        self.exit(2, f"error: {one_line(message)}\n")
+
+
+def one_line(message: object) -> str:
+    return "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
+
+
+def refuse(message: object) -> int:
+    """Print `error: <message>` as one line on stderr; the exit status of a refusal (2)."""
+    print(f"error: {one_line(message)}", file=sys.stderr)
+    return 2
+
+
+def _parse(kind: type, text: str) -> int | float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+        ) from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _bounded(
+    kind: type, low: float, high: float | None, low_open: bool, high_open: bool
+) -> Callable[[str], int | float]:
+    if high is None:
+        rule = f"must be {'>' if low_open else '>='} {low:g}"
+    else:
+        rule = f"must be in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+    def check(text: str) -> int | float:
+        value = _parse(kind, text)
+        below = value <= low if low_open else value < low
+        above = high is not None and (value >= high if high_open else value > high)
+        if below or above:
+            raise argparse.ArgumentTypeError(f"{rule}, got {text}")
+        return value
+
+    check.__name__ = kind.__name__  # argparse names the type in some of its own messages
+    return check
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An integer >= low."""
+    return _bounded(int, low, None, False, False)
+
+
+def float_at_least(low: float) -> Callable[[str], float]:
+    """A finite number >= low."""
+    return _bounded(float, low, None, False, False)
+
+
+def float_in(
+    low: float, high: float, *, low_open: bool = False, high_open: bool = False
+) -> Callable[[str], float]:
+    """A finite number in [low, high], either end open on request."""
+    return _bounded(float, low, high, low_open, high_open)
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+non_negative_float = float_at_least(0.0)
+probability = float_in(0.0, 1.0, low_open=True)  # (0, 1]: top-p
+fraction = float_in(0.0, 1.0, high_open=True)  # [0, 1): min-p
+
+
+def non_empty(text: str) -> str:
+    """A string with at least one character (whitespace counts)."""
+    if text == "":
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+non_empty.__name__ = "str"
