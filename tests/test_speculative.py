@@ -177,12 +177,16 @@ def test_greedy_sampler_is_exact_match_acceptance():
     assert (n.item(), token.item()) == (1, 1)  # second mismatches: the target's argmax
 
 
-def test_end_to_end_first_token_follows_target_distribution(tmp_path):
-    model, y, sampler, p, q = differing_pair(tmp_path / "v8", 1.0)
+@pytest.mark.parametrize(
+    "temp,seeded", [(1.0, False), (0.8, True)], ids=["rejection", "seeded-gumbel"]
+)
+def test_end_to_end_first_token_follows_target_distribution(tmp_path, temp, seeded):
+    model, y, sampler, p, q = differing_pair(tmp_path / "v8", temp)
     counts, from_draft = np.zeros(8, dtype=int), 0
-    for _ in range(600):
+    for i in range(600):
+        seed = {"seed": i} if seeded else {}  # seeded: one draw per seed, Gumbel coupling
         steps = speculative_generate_step(
-            y, model, max_tokens=2, sampler=sampler, num_draft_tokens=1, adaptive=False
+            y, model, max_tokens=2, sampler=sampler, num_draft_tokens=1, adaptive=False, **seed
         )
         token, _, drafted = next(steps)
         counts[token] += 1
