@@ -121,7 +121,19 @@ def _check_manifest(manifest: dict, f: Path) -> None:
             )
         if not isinstance(entry.get("has_bias", False), bool):
             raise PackageError(f"{f}: {name}: has_bias = {entry['has_bias']!r}, expected a bool")
-    kv_group = (manifest.get("kv") or {}).get("group")
+    for block in ("kv", "online_hadamard", "activation", "rope"):
+        if block in manifest and not isinstance(manifest[block], dict):
+            raise PackageError(f"{f}: {block} is {manifest[block]!r}, expected an object")
+    kv = manifest.get("kv", {})
+    if kv.get("per_channel_offset", "none") not in ("none", "k_bias"):
+        raise PackageError(
+            f"{f}: kv.per_channel_offset = {kv['per_channel_offset']!r}, expected 'k_bias' or "
+            "'none'"
+        )
+    for key in ("r3", "r3_enabled"):
+        if not isinstance(kv.get(key, False), bool):
+            raise PackageError(f"{f}: kv.{key} = {kv[key]!r}, expected true or false")
+    kv_group = kv.get("group")
     if kv_group is not None and kv_group not in KV_GROUPS:
         raise PackageError(
             f"{f}: kv.group = {kv_group!r}, expected one of {KV_GROUPS} (MLX's group sizes)"
@@ -178,7 +190,34 @@ def _load_config(path: Path, manifest: dict, manifest_file: Path) -> dict:
                 f"{f}: {key} = {config.get(key)} but the layer shapes in {manifest_file.name} "
                 f"imply {derived[key]}"
             )
+    _check_config_values(config, manifest, f, manifest_file)
     return {**derived, **config, "arch": derived["arch"]}
+
+
+def _positive(value, kind: type) -> bool:
+    return isinstance(value, kind) and not isinstance(value, bool) and value > 0
+
+
+def _check_config_values(config: dict, manifest: dict, f: Path, manifest_file: Path) -> None:
+    """The non-dimension values the forward uses have their types, and agree with the manifest's
+    copy where it has one (config.json and bitnest.json both carry the RoPE parameters)."""
+    for key, kind in (
+        ("rms_norm_eps", (int, float)),
+        ("rope_theta", (int, float)),
+        ("max_position_embeddings", int),
+    ):
+        if key in config and not _positive(config[key], kind):
+            raise PackageError(f"{f}: {key} = {config[key]!r}, expected a positive number")
+    scaling = config.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise PackageError(f"{f}: rope_scaling = {scaling!r}, expected an object or null")
+    rope = manifest.get("rope", {})
+    for ours, theirs in (("rope_theta", "theta"), ("rope_scaling", "scaling")):
+        if ours in config and theirs in rope and config[ours] != rope[theirs]:
+            raise PackageError(
+                f"{f}: {ours} = {config[ours]!r} but {manifest_file.name} rope.{theirs} = "
+                f"{rope[theirs]!r}; expected the two to agree"
+            )
 
 
 def _check_linears(manifest: dict, config: dict, f: Path, dims_from: str) -> dict:

@@ -45,7 +45,7 @@ class PackageSpec:
             **{
                 **dims,
                 "biased": [n for n, e in manifest["layers"].items() if e.get("has_bias")],
-                "r4": [online.get(f"model.layers.{i}.mlp.down_proj") for i in layers],
+                "r4": [_r4(online.get(f"model.layers.{i}.mlp.down_proj")) for i in layers],
                 "o_proj_group": groups.get("model.layers.0.self_attn.o_proj", head_dim),
                 "kv_group": kv.get("group", head_dim),
                 "r3": kv.get("r3") is True or kv.get("r3_enabled") is True,
@@ -56,3 +56,11 @@ class PackageSpec:
     def to_dict(self) -> dict:
         """Plain fields (the model_config mlx-lm merges into config.json)."""
         return asdict(self)
+
+
+def _r4(entry: dict | None) -> dict | None:
+    """A listed down_proj gets R4 with the format's defaults filled in (K = 1, fp32 off), so
+    `{}` means the plain Walsh-Hadamard transform, as the validator reads it; unlisted: none."""
+    if entry is None:
+        return None
+    return {"K": entry.get("K", 1), "fp32": bool(entry.get("fp32", False))}
