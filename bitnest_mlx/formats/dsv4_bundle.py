@@ -32,7 +32,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import mxtq
+from . import mxtq, safetensors_io
 
 INDEX_FILE = "model.safetensors.index.json"
 PROJECTIONS = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}  # official expert names
@@ -187,7 +187,7 @@ def resolve_seed(path: Path, config: dict) -> int:
     found = {"config.json": config.get("mxtq_seed")}
     jang = path / "jang_config.json"
     if jang.is_file():
-        found["jang_config.json"] = json.loads(jang.read_text()).get("mxtq_seed")
+        found["jang_config.json"] = safetensors_io.read_json(jang, BundleError).get("mxtq_seed")
     values = {k: int(v) for k, v in found.items() if v is not None}
     if len(set(values.values())) > 1:
         raise BundleError(f"mxtq_seed disagrees between files: {values}")
@@ -197,9 +197,12 @@ def resolve_seed(path: Path, config: dict) -> int:
 def _load_tensors(path: Path) -> dict[str, mx.array]:
     index = path / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise BundleError(f"{index}: no weight_map")
+        weight_map = safetensors_io.string_map(
+            safetensors_io.read_json(index, BundleError).get("weight_map"),
+            index,
+            "weight_map",
+            BundleError,
+        )
         by_file: dict[str, set[str]] = {}
         for key, fname in weight_map.items():
             by_file.setdefault(fname, set()).add(key)
@@ -208,7 +211,7 @@ def _load_tensors(path: Path) -> dict[str, mx.array]:
                 raise BundleError(f"{INDEX_FILE} lists {fname} (e.g. {min(keys)}), not found")
         tensors = {}
         for fname, keys in sorted(by_file.items()):
-            shard = mx.load(str(path / fname))
+            shard = safetensors_io.load_safetensors(path / fname, BundleError)
             missing, extra = keys - shard.keys(), shard.keys() - keys
             if missing:
                 raise BundleError(f"{min(missing)}: in {INDEX_FILE} but not in {fname}")
@@ -221,7 +224,7 @@ def _load_tensors(path: Path) -> dict[str, mx.array]:
         raise BundleError(f"{path}: no safetensors files")
     tensors = {}
     for f in files:
-        for key, value in mx.load(str(f)).items():
+        for key, value in safetensors_io.load_safetensors(f, BundleError).items():
             if key in tensors:
                 raise BundleError(f"{key}: stored twice ({f.name})")
             tensors[key] = value
@@ -259,7 +262,7 @@ def bit_plan(config: dict) -> dict[str, int]:
 def read(path: str | Path) -> Bundle:
     """Read and validate a bundle against its config's schedule (see the module docstring)."""
     path = Path(path)
-    config = json.loads((path / "config.json").read_text())
+    config = safetensors_io.read_json(path / "config.json", BundleError)
     if config.get("model_type") != "deepseek_v4":
         raise BundleError(f"{path}/config.json: model_type {config.get('model_type')!r}")
     slots = schedule(config)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import mlx.core as mx
 
+from .. import safetensors_io
 from .layout import FORMAT, INDEX_NAME, MANIFEST_NAMES, PackageError
 
 
@@ -48,13 +48,7 @@ def is_package(path: str | Path) -> bool:
 
 
 def read_json(f: Path) -> dict:
-    try:
-        data = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PackageError(f"{f}: unreadable JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise PackageError(f"{f}: expected a JSON object, found {type(data).__name__}")
-    return data
+    return safetensors_io.read_json(f, PackageError)
 
 
 def _safetensors_files(path: Path) -> tuple[list[Path], Path | None, dict | None]:
@@ -67,15 +61,9 @@ def _safetensors_files(path: Path) -> tuple[list[Path], Path | None, dict | None
             raise PackageError(
                 f"{path}: both model.safetensors and {INDEX_NAME}; expected one of the two"
             )
-        weight_map = read_json(index).get("weight_map")
-        if (
-            not isinstance(weight_map, dict)
-            or not weight_map
-            or not all(isinstance(v, str) for v in weight_map.values())
-        ):
-            raise PackageError(
-                f"{index}: expected a non-empty 'weight_map' object (tensor name -> shard file)"
-            )
+        weight_map = safetensors_io.string_map(
+            read_json(index).get("weight_map"), index, "weight_map", PackageError
+        )
         for tensor, shard in weight_map.items():
             if not (path / shard).is_file():
                 raise PackageError(
@@ -89,47 +77,13 @@ def _safetensors_files(path: Path) -> tuple[list[Path], Path | None, dict | None
     raise PackageError(f"{path}: no model.safetensors (or shards with {INDEX_NAME})")
 
 
-def _check_safetensors(f: Path) -> None:
-    """Header sanity and size, so a truncated file is named instead of failing deep in a load."""
-    size = f.stat().st_size
-    with open(f, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise PackageError(
-                f"{f}: truncated safetensors file ({size} bytes; expected an 8-byte header length)"
-            )
-        n = int.from_bytes(head, "little")
-        if 8 + n > size:
-            raise PackageError(
-                f"{f}: truncated safetensors file: header says {n} bytes, file has {size}"
-            )
-        try:
-            header = json.loads(fh.read(n))
-            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
-        except (ValueError, AttributeError, KeyError, TypeError, IndexError) as e:
-            # ValueError covers JSONDecodeError and UnicodeDecodeError.
-            raise PackageError(
-                f"{f}: unreadable safetensors header ({type(e).__name__}: {e}); expected a JSON "
-                "object of tensors with data_offsets"
-            ) from e
-    need = 8 + n + max(ends, default=0)
-    if need > size:
-        raise PackageError(
-            f"{f}: truncated safetensors file: its tensors need {need} bytes, file has {size}"
-        )
-
-
 def read_tensors(path: Path) -> dict[str, tuple[Path, mx.array]]:
     """All tensors of a package, each with the file it came from."""
     path = Path(path)
     files, index, weight_map = _safetensors_files(path)
     out: dict[str, tuple[Path, mx.array]] = {}
     for f in files:
-        _check_safetensors(f)
-        try:
-            arrays = mx.load(str(f))
-        except Exception as e:  # mlx raises RuntimeError/ValueError with its own wording
-            raise PackageError(f"{f}: unreadable safetensors file ({e})") from e
+        arrays = safetensors_io.load_safetensors(f, PackageError)
         for name, a in arrays.items():
             if name in out:
                 raise PackageError(
