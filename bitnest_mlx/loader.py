@@ -15,11 +15,18 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .formats import bitnest, detect, dsv4_bundle
-from .hub import resolve
+from .hub import HubError, resolve
 from .layers.options import RunOptions
 
 # Any of these makes a directory loadable by AutoTokenizer.
-_TOKENIZER_DEFINING = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+TOKENIZER_DEFINING = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+# What a load raises for input it refuses: one line naming file, tensor and expectation, which
+# the faces print as it is.
+LOAD_ERRORS = (bitnest.PackageError, dsv4_bundle.BundleError, HubError)
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    return any((Path(path) / f).is_file() for f in TOKENIZER_DEFINING)
 
 
 def default_dtype() -> mx.Dtype:
@@ -56,7 +63,7 @@ def _bitnest_model(path: Path, dtype: mx.Dtype | None) -> nn.Module:
 def _bitnest_tokenizer(path: Path):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    if not any((path / f).is_file() for f in _TOKENIZER_DEFINING):
+    if not has_tokenizer(path):
         warnings.warn(f"{path}: no tokenizer files; returning tokenizer None", stacklevel=3)
         return None
     return load_tokenizer(path, tokenizer_config_extra={"config": tokenizer_config()})

@@ -257,12 +257,12 @@ def patch_utils(utils: ModuleType) -> None:
         if fmt is not None:
             # transformers cannot parse these config.json files (unknown model_type, llama3
             # rope scaling); an empty config stops AutoTokenizer from reading it.
-            from .loader import _TOKENIZER_DEFINING, tokenizer_config
+            from .loader import TOKENIZER_DEFINING, has_tokenizer, tokenizer_config
 
-            if not any((Path(model_path) / f).is_file() for f in _TOKENIZER_DEFINING):
+            if not has_tokenizer(model_path):
                 raise _format_error(fmt)(
                     f"{model_path}: no tokenizer files (expected one of "
-                    f"{', '.join(_TOKENIZER_DEFINING)}); mlx-lm needs a tokenizer"
+                    f"{', '.join(TOKENIZER_DEFINING)}); mlx-lm needs a tokenizer"
                 )
 
             tokenizer_config_extra = {
@@ -322,16 +322,13 @@ def one_line_errors(main):
     @_mark
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
-        from .formats.bitnest import PackageError
-        from .formats.dsv4_bundle import BundleError
-        from .hub import HubError
+        from .cli.args import refuse
+        from .loader import LOAD_ERRORS
 
         try:
             return main(*args, **kwargs)
-        except (PackageError, BundleError, HubError) as e:
-            message = "; ".join(filter(None, map(str.strip, str(e).splitlines())))
-            print(f"error: {message}", file=sys.stderr)
-            raise SystemExit(2) from None
+        except LOAD_ERRORS as e:
+            raise SystemExit(refuse(e)) from None
 
     return wrapper
 

@@ -140,6 +140,19 @@ def test_eval_refuses_a_single_precision_model(tmp_path, capsys):
     assert "one precision" in line
 
 
+@pytest.mark.parametrize("cli", [generate, bench], ids=["generate", "bench"])
+def test_a_broken_dsv4_bundle_is_one_line(cli, tmp_path, capsys):
+    import shutil
+
+    from bitnest_mlx.demo import demo_bundle_path
+
+    bundle = shutil.copytree(demo_bundle_path(), tmp_path / "b")
+    shard = sorted(bundle.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:1000])
+    line = refusal(cli.main, ["--model", str(bundle)], capsys)
+    assert shard.name in line and "truncated" in line
+
+
 def test_refusal_through_python_m_is_one_line_without_usage():
     r = subprocess.run(
         [sys.executable, "-m", "bitnest_mlx.generate", "--top-p", "2"],

@@ -22,7 +22,7 @@ from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 from .. import kernels, speculative
 from ..demo import CORPUS
 from ..layers.dual_plane import DualPlaneLinear
-from ..loader import load
+from ..loader import LOAD_ERRORS, load
 from ..sampling import make_sampler
 from .args import Parser, int_at_least, non_negative_float, non_negative_int, positive_int, refuse
 
@@ -399,12 +399,10 @@ def report(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from ..formats.bitnest import PackageError
-    from ..hub import HubError
 
     try:
         result = run(args)
-    except (PackageError, HubError) as e:  # --model could not be fetched or read
+    except LOAD_ERRORS as e:  # --model could not be fetched or read
         return refuse(e)
     print(json.dumps(result, indent=2) if args.json else report(result))
     return 0

@@ -7,9 +7,7 @@ import sys
 from pathlib import Path
 
 from ..evaluation import MODES, evaluate
-from ..formats.bitnest import PackageError
-from ..hub import HubError
-from ..loader import load
+from ..loader import LOAD_ERRORS, load
 from .args import Parser, int_at_least, non_negative_int, refuse
 
 
@@ -72,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         text = read_text(args.text)  # before the model: a bad file is refused at once
         model, tokenizer = load(args.model)
-    except (PackageError, HubError, OSError, ValueError) as e:
+    except (*LOAD_ERRORS, OSError, ValueError) as e:
         return refuse(e)
     if tokenizer is None:
         return refuse(f"{args.model} has no tokenizer files (tokenizer.json, ...)")

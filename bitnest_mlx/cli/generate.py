@@ -11,9 +11,7 @@ import mlx.core as mx
 from mlx_lm.generate import stream_generate
 
 from .. import speculative
-from ..formats.bitnest import PackageError
-from ..hub import HubError
-from ..loader import load
+from ..loader import LOAD_ERRORS, load
 from ..sampling import SeededSampler
 from ..sampling import make_sampler as bitnest_make_sampler
 from .args import (
@@ -120,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         tic = time.perf_counter()
         model, tokenizer = load(model_path, mode="draft" if args.mode == "draft" else "target")
         load_s = time.perf_counter() - tic
-    except (PackageError, HubError) as e:
+    except LOAD_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

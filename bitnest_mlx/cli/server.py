@@ -20,7 +20,7 @@ import argparse
 import sys
 
 from ..hub import HubError, resolve
-from ..loader import supports_draft
+from ..loader import LOAD_ERRORS, supports_draft
 from ..mlx_lm_plugin import DRAFT_SUFFIX, register
 from .args import refuse
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         serving.main(args, aliases)
-    except (*serving.OUR_ERRORS, serving.LoadFailed) as e:
+    except (*LOAD_ERRORS, serving.LoadFailed) as e:
         return refuse(e)
     return 0
 

@@ -30,14 +30,11 @@ import mlx_lm.server as mlx_server
 from mlx_lm.models.cache import LRUPromptCache
 
 from ..formats import detect
-from ..formats.bitnest import PackageError
-from ..formats.dsv4_bundle import BundleError
-from ..hub import HubError
+from ..loader import LOAD_ERRORS
 from .args import one_line
 
 MAX_BODY_BYTES = 64 << 20  # a request body larger than this is refused unread (413)
 DISCONNECTS = (ConnectionError, TimeoutError)  # BrokenPipe, ConnectionReset, ConnectionAborted
-OUR_ERRORS = (PackageError, BundleError, HubError)  # one line each, naming file and expectation
 _FINITE = (
     "temperature",
     "top_p",
@@ -51,7 +48,7 @@ _FINITE = (
 
 
 class LoadFailed(Exception):
-    """The model could not be loaded for a reason other than one of OUR_ERRORS."""
+    """The model could not be loaded for a reason other than one of LOAD_ERRORS."""
 
 
 class RequestError(ValueError):
@@ -334,7 +331,7 @@ def run(host: str, port: int, provider: Provider) -> None:
     if provider.load_error is not None or provider.model is None:
         stop(generator, provider)
         e = provider.load_error
-        if isinstance(e, OUR_ERRORS):
+        if isinstance(e, LOAD_ERRORS):
             raise e
         raise LoadFailed(f"cannot load {provider.cli_args.model}: {one_line(e)}") from e
     logging.info(provider.startup_line())
@@ -364,7 +361,7 @@ def run(host: str, port: int, provider: Provider) -> None:
 def main(argv: list[str], aliases: tuple[str, ...] = ()) -> None:
     """mlx-lm's server `main` on `argv` (all its flags), served by `run` above.
 
-    Raises one of OUR_ERRORS or LoadFailed, before binding the port, if the model cannot be
+    Raises one of LOAD_ERRORS or LoadFailed, before binding the port, if the model cannot be
     loaded.
     """
     saved = sys.argv, mlx_server.run

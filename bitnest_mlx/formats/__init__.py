@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-FORMAT_NAMES = ("bitnest", "dsv4")
-
 
 def detect(path: str | Path) -> str | None:
     """ "bitnest" (a bitnest manifest), "dsv4" (config.json model_type deepseek_v4) or None.

@@ -138,7 +138,7 @@ def _check_manifest(manifest: dict, f: Path) -> None:
         raise PackageError(
             f"{f}: kv.group = {kv_group!r}, expected one of {KV_GROUPS} (MLX's group sizes)"
         )
-    if (manifest.get("kv") or {}).get("per_channel_offset") == "k_bias":
+    if kv.get("per_channel_offset") == "k_bias":
         unbiased = [n for n, e in layers.items() if n.endswith("k_proj") and not e.get("has_bias")]
         if unbiased:
             raise PackageError(

@@ -34,7 +34,7 @@ class PackageSpec:
 
     @classmethod
     def from_package(cls, manifest: dict, config: dict) -> PackageSpec:
-        """From a manifest and config that `reader.read` (or `reader.describe`) validated."""
+        """From a manifest and config that `reader.read` validated."""
         layers = range(config["num_hidden_layers"])
         online = (manifest.get("online_hadamard") or {}).get("layers", {})
         groups = (manifest.get("activation") or {}).get("per_layer_group", {})
@@ -54,7 +54,7 @@ class PackageSpec:
         )
 
     def to_dict(self) -> dict:
-        """Plain fields (the model_config mlx-lm merges into config.json)."""
+        """Plain fields (what mlx-lm style `ModelArgs.from_dict` takes)."""
         return asdict(self)
 
 
