@@ -229,7 +229,7 @@ def gumbel_speculative_sample(
     """
     gamma = drafts.shape[-1]
     lp = p_logprobs.astype(mx.float32)
-    target = mx.argmax(lp if noise is None else lp + noise, axis=-1)  # [..., γ+1]
+    target = mx.argmax(lp, axis=-1) if noise is None else gumbel_sample(lp, noise)  # [..., γ+1]
     match = (target[..., :gamma] == drafts).astype(mx.int32)
     n = mx.cumprod(match, axis=-1).sum(axis=-1) if gamma else mx.zeros(drafts.shape[:-1], mx.int32)
     return n, mx.take_along_axis(target, n[..., None], axis=-1)[..., 0]
