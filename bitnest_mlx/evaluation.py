@@ -1,18 +1,47 @@
-"""Perplexity, bits per byte and draft/target agreement of a bitnest model on a text."""
+"""Perplexity, bits per byte and draft/target agreement of a bitnest model on a text; the
+sampling acceptance of speculative decoding and its projected speed on a bandwidth-bound GPU."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import mlx.core as mx
 
-from .layers.options import RunOptions
-from .sampling import Sampler
+from .layers.options import DRAFT_KV, RunOptions
+from .roofline import model_kv8_limit, resolve_draft_kv, roofline, speed_model
+from .sampling import Sampler, acceptance_probability
 from .speculative import SpeculativeStats, speculative_generate_step
 
 MODES = ("draft", "target", "float")
+# Sampled acceptance and the speculative runs: the settings the issue asks for (a common chat
+# default), γ = 2, 3, 4 and 256 generated tokens per prompt.
+SAMPLING = Sampler(temp=0.7, top_p=0.95)
+GAMMAS = (2, 3, 4)
+GEN_TOKENS = 256
+
+# Built-in prompts of three kinds of text; "chat" goes through the tokenizer's chat template.
+PROMPTS = {
+    "code": "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n"
+    '    """Merge two sorted lists into one sorted list."""\n'
+    "    out = []\n    i = j = 0\n",
+    "prose": "The old mill had stood by the river for two hundred years. Every spring, when "
+    "the snow melted in the hills, the water rose",
+    "chat": "Explain in a few sentences why the sky is blue, for a ten-year-old.",
+}
+
+
+def builtin_prompts(tokenizer) -> dict[str, list[int]]:
+    """The token ids of `PROMPTS`: code and prose as raw text, chat through the tokenizer's chat
+    template when it has one (else as a plain "User: ... Assistant:" exchange)."""
+    out = {name: tokenizer.encode(PROMPTS[name]) for name in ("code", "prose")}
+    if getattr(tokenizer, "has_chat_template", False):
+        messages = [{"role": "user", "content": PROMPTS["chat"]}]
+        out["chat"] = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    else:
+        out["chat"] = tokenizer.encode(f"User: {PROMPTS['chat']}\nAssistant:")
+    return out
 
 
 def windows(tokens: list[int], size: int) -> list[list[int]]:
@@ -31,15 +60,72 @@ def window_nll(logits: mx.array, window: list[int]) -> float:
 # CPU and gives the same logits up to float rounding (see RunOptions.dense_min_rows).
 _DENSE = RunOptions(dense_min_rows=32)
 _READINGS = {
-    "draft": replace(_DENSE, mode="draft"),
     "target": _DENSE,
     "float": replace(_DENSE, quantize_activations=False, quantize_kv=False),  # W8 weights only
+    **{f"draft_kv{kv}": replace(_DENSE, mode="draft", draft_kv=kv) for kv in DRAFT_KV},
 }
 
 
-def _logits(model, window: list[int], mode: str) -> mx.array:
-    """Teacher-forced logits [T, V] of one reading (MODES)."""
-    return model(mx.array(window)[None], options=_READINGS[mode])[0]
+def _logits(model, window: list[int], reading: str) -> mx.array:
+    """Teacher-forced logits [T, V] of one reading (`_READINGS`)."""
+    return model(mx.array(window)[None], options=_READINGS[reading])[0]
+
+
+def sampled_acceptance(
+    model,
+    prompts: Mapping[str, Sequence[int]],
+    gammas: Sequence[int] = GAMMAS,
+    gen_tokens: int = GEN_TOKENS,
+    sampler: Sampler = SAMPLING,
+    seed: int = 0,
+    rule: str = "rejection",
+    draft_kv: int | str = "auto",
+) -> dict:
+    """Mean accepted drafts and tokens per round of the real speculative loop at each fixed γ
+    (no adaptive controller, no fallback), seeded, over at least `gen_tokens` tokens per prompt
+    (fewer where the model's context ends first). Rounds are counted whole: the loop runs
+    without a token limit and is stopped after the round that reaches `gen_tokens`."""
+    context = model.args.max_position_embeddings
+    out = {}
+    for gamma in gammas:
+        accepted = rounds = drafted = 0
+        per_prompt = {}
+        for name, ids in prompts.items():
+            n = max(min(gen_tokens, context - len(ids) - gamma - 2), 1)
+            stats = SpeculativeStats()
+            steps = speculative_generate_step(
+                mx.array(ids, dtype=mx.uint32),
+                model,
+                max_tokens=-1,
+                sampler=sampler,
+                num_draft_tokens=gamma,
+                adaptive=False,
+                fallback=False,
+                stats=stats,
+                seed=seed,
+                rule=rule,
+                draft_kv=draft_kv,
+                options=_DENSE,  # dense only for the prompt prefill: γ+1 rows stay quantized
+            )
+            for produced, _ in enumerate(steps, 1):
+                if produced >= n:
+                    break
+            steps.close()
+            per_prompt[name] = stats.mean_accepted
+            accepted, rounds, drafted = (
+                accepted + stats.accepted,
+                rounds + stats.rounds,
+                drafted + stats.drafted,
+            )
+        mean = accepted / rounds if rounds else 0.0
+        out[str(gamma)] = {
+            "mean_accepted": mean,
+            "tokens_per_round": mean + 1,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "rounds": rounds,
+            "per_prompt_mean_accepted": per_prompt,
+        }
+    return out
 
 
 def evaluate(
@@ -51,23 +137,50 @@ def evaluate(
     window: int = 512,
     gamma: int = 4,
     spec_tokens: int = 64,
+    *,
+    draft_kv: int | str = "auto",
+    sampler: Sampler = SAMPLING,
+    gammas: Sequence[int] = GAMMAS,
+    gen_tokens: int = GEN_TOKENS,
+    prompts: Mapping[str, Sequence[int]] | None = None,
+    seed: int = 0,
+    rule: str = "rejection",
 ) -> dict:
-    """Perplexity and bits/byte of each mode on the first `max_tokens` tokens of `text`, the
-    greedy argmax agreement of draft vs target on the same positions, and the mean accepted
-    length of the greedy speculative loop at draft length `gamma`."""
+    """Scores of a bitnest model on the first `max_tokens` tokens of `text`, in `window`-token
+    teacher-forced windows: perplexity and bits/byte of each mode; the draft/target greedy
+    argmax agreement and the mean Σ min(p, q) of their `sampler` distributions (the draft
+    reading its KV by `draft_kv` at the window length; both KV readings are also reported);
+    the mean accepted length of the greedy speculative loop at `gamma` (`spec_tokens` tokens);
+    the sampled speculative loop at each of `gammas` (`sampled_acceptance`, over `prompts`,
+    default `builtin_prompts`; skipped when `gen_tokens` is 0); and the projected speedup on a
+    bandwidth-bound GPU (`roofline.speed_model`)."""
     # A prefix is enough (no token spans 16 characters) and avoids tokenizing a whole book.
     tokens = tokenizer.encode(text[: 16 * max_tokens], verbose=False)[:max_tokens]
-    nll = dict.fromkeys(modes, 0.0)
-    n_pred = n_bytes = agree = n_positions = 0
+    used_kv = resolve_draft_kv(draft_kv, model, min(window, len(tokens)))
+    nll = dict.fromkeys((*modes, *DRAFT_KV), 0.0)
+    agree, overlap = dict.fromkeys(DRAFT_KV, 0.0), dict.fromkeys(DRAFT_KV, 0.0)
+    n_pred = n_bytes = n_positions = 0
     for w in windows(tokens, window):
-        logits = {m: _logits(model, w, m) for m in {*modes, "draft", "target"}}
+        logits = {r: _logits(model, w, r) for r in ("target", *(f"draft_kv{k}" for k in DRAFT_KV))}
+        if "float" in modes:
+            logits["float"] = _logits(model, w, "float")
+        p = sampler.logprobs(logits["target"])
         for m in modes:
-            nll[m] += window_nll(logits[m], w)
-        same = mx.argmax(logits["draft"], -1) == mx.argmax(logits["target"], -1)
-        agree += mx.sum(same).item()
+            if m != "draft":
+                nll[m] += window_nll(logits[m], w)
+        for kv in DRAFT_KV:
+            d = logits[f"draft_kv{kv}"]
+            nll[kv] += window_nll(d, w)
+            agree[kv] += mx.sum(mx.argmax(d, -1) == mx.argmax(logits["target"], -1)).item()
+            overlap[kv] += acceptance_probability(sampler.logprobs(d), p).sum().item()
         n_positions += len(w)
         n_pred += len(w) - 1
         n_bytes += len(tokenizer.decode(w[1:]).encode("utf-8"))
+    nll["draft"] = nll[used_kv]
+
+    def scores(m) -> dict:
+        return {"ppl": math.exp(nll[m] / n_pred), "bits_per_byte": nll[m] / math.log(2) / n_bytes}
+
     stats = SpeculativeStats()
     if spec_tokens > 0:
         prompt = mx.array(tokens[: min(len(tokens) // 2, 256)])
@@ -81,17 +194,50 @@ def evaluate(
             stats=stats,
             adaptive=False,
             options=_DENSE,  # dense only for the prompt prefill: γ+1 rows stay quantized
+            draft_kv=draft_kv,
         )
         for _ in steps:
             pass
-    return {
+    result = {
         "tokens": n_pred,
         "bytes": n_bytes,
-        "modes": {
-            m: {"ppl": math.exp(nll[m] / n_pred), "bits_per_byte": nll[m] / math.log(2) / n_bytes}
-            for m in modes
-        },
-        "argmax_agreement": agree / n_positions,
+        "modes": {m: scores(m) for m in modes},
+        "argmax_agreement": agree[used_kv] / n_positions,
+        "sum_min_pq": overlap[used_kv] / n_positions,
         "mean_accepted": stats.mean_accepted if spec_tokens > 0 else None,
         "gamma": gamma,
+        "sampling": {"temp": sampler.temp, "top_p": sampler.top_p, "seed": seed, "rule": rule},
+        "draft_kv": {
+            "policy": draft_kv,
+            "windows": used_kv,
+            "kv8_context_limit": model_kv8_limit(model),
+            "readings": {
+                str(kv): {
+                    **scores(kv),
+                    "argmax_agreement": agree[kv] / n_positions,
+                    "sum_min_pq": overlap[kv] / n_positions,
+                }
+                for kv in DRAFT_KV
+            },
+        },
     }
+    if gen_tokens > 0 and gammas:
+        prompts = builtin_prompts(tokenizer) if prompts is None else prompts
+        runs = sampled_acceptance(model, prompts, gammas, gen_tokens, sampler, seed, rule, draft_kv)
+        # The roofline at the runs' mean context (prompt + half the generated tokens), the
+        # draft reading the KV the policy picks there.
+        context = round(sum(len(ids) for ids in prompts.values()) / len(prompts) + gen_tokens / 2)
+        roof = roofline(model, context, resolve_draft_kv(draft_kv, model, context))
+        per_round = {int(g): r["tokens_per_round"] for g, r in runs.items()}
+        result["speculative_sampling"] = {
+            "gen_tokens": gen_tokens,
+            "prompt_tokens": {name: len(ids) for name, ids in prompts.items()},
+            "gammas": runs,
+        }
+        result["speed_model"] = {
+            "context_tokens": context,
+            "draft_kv": roof["draft_kv"],
+            "bytes_per_token": roof["bytes_per_token"],
+            **speed_model(roof["bytes_per_token"], result["sum_min_pq"], per_round),
+        }
+    return result

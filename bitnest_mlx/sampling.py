@@ -128,6 +128,14 @@ def speculative_sample(
     return n, gumbel_sample(row, row_noise)
 
 
+def acceptance_probability(q_logprobs: mx.array, p_logprobs: mx.array) -> mx.array:
+    """Σ_x min(p(x), q(x)) per row [...] of draft q and target p log-probabilities [..., V]
+    (both from the same `Sampler.logprobs`): the probability that `speculative_sample` accepts
+    a draft drawn from q, the most any lossless accept rule can reach."""
+    p, q = mx.exp(p_logprobs.astype(mx.float32)), mx.exp(q_logprobs.astype(mx.float32))
+    return mx.minimum(p, q).sum(axis=-1)
+
+
 # --------------------------------------------------------------------------------------------
 # Seeded randomness: a pure function of (seed, position, stream)
 

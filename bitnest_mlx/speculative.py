@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,6 +28,7 @@ from mlx_lm.generate import GenerationResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .layers.options import RunOptions
+from .roofline import draft_kv_policy
 from .sampling import RULES, PositionNoise, Sampler, make_sampler, speculative_sample
 from .sampling import gumbel_speculative_sample as coupled_sample
 
@@ -166,7 +167,7 @@ def draft(
     options: RunOptions | None = None,
     noise: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
-    """γ draft steps from token y [1]: writes cache positions P..P+γ-1 (W4, KV4 reads).
+    """γ draft steps from token y [1]: writes cache positions P..P+γ-1 (W4; KV4 or KV8 reads).
 
     Returns the drafts [γ] and their processed log-probabilities q [γ, V]. With `noise`
     ([≥ γ, V] standard Gumbel, seeded runs) draft i is argmax(q_i + noise_i).
@@ -241,13 +242,15 @@ def speculative_generate_step(
     options: RunOptions | None = None,
     seed: int | None = None,
     rule: str | None = None,
+    draft_kv: int | str = "auto",
 ) -> Generator[tuple[int, mx.array, bool], None, None]:
     """Yield (token, target log-probabilities [V], from_draft) like mlx-lm's generator.
 
     `model` is a bitnest Model (calls take mode="draft" / "target"). `num_draft_tokens` is the
     maximum γ (0 = target-only); `fallback=False` never chooses γ = 0, forcing speculation;
     `adaptive=False` always drafts `num_draft_tokens`; `parity=True` see `verify`. `options`
-    (RunOptions; its mode is set per call) default to the model's own.
+    (RunOptions; its mode is set per call) default to the model's own. `draft_kv`: the KV the
+    draft reads, 4, 8 or "auto" (decided each round from the cache length, `roofline`).
     `max_tokens < 0` means no limit.
 
     `seed=None` uses the global `mx.random` state and measured costs. An int makes the run
@@ -271,6 +274,7 @@ def speculative_generate_step(
     rule = "gumbel" if sampler.temp == 0 else rule  # greedy: both are exact match; plain argmax
     vocab = model.args.vocab_size
     history = prompt
+    kv_at, base = draft_kv_policy(draft_kv, model), options or model.options
 
     # Prefill prompt[:-1] with the target; the last prompt token starts the first round.
     for i in range(0, prompt.size - 1, prefill_step_size):
@@ -288,7 +292,9 @@ def speculative_generate_step(
         # Seeded: Gumbel rows g of positions produced..produced+γ (drafts, then the target's).
         g = None if noise is None else noise.gumbel(produced, gamma + 1, vocab)
         tic = time.perf_counter()
-        drafts, q = draft(model, cache, y, gamma, sampler, history, processors, options, g)
+        # The last draft step reads P + γ positions; only the draft's KV read depends on it.
+        o = replace(base, draft_kv=kv_at(cache[0].offset + gamma))
+        drafts, q = draft(model, cache, y, gamma, sampler, history, processors, o, g)
         if gamma:
             mx.eval(drafts, q)
         draft_s = time.perf_counter() - tic

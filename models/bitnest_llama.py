@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.rope_utils import initialize_rope
 
-from bitnest_mlx.formats.bitnest import LAYER_LINEARS, PackageSpec
+from bitnest_mlx.formats.bitnest import LAYER_LINEARS, PackageSpec, norm_names
 from bitnest_mlx.layers.dual_plane import DualPlaneLinear, project
 from bitnest_mlx.layers.hadamard import OnlineHadamard
 from bitnest_mlx.layers.nested_kv import NestedKVCache
@@ -91,7 +91,7 @@ class Attention(nn.Module):
             v,
             scale=self.scale,
             mask=mask,
-            draft=o.draft,
+            draft=o.reads_kv4,  # the KV read: a draft may read KV8 (RunOptions.draft_kv)
             k_offset=k_offset,
             use_kernels=o.use_kernels,
         )
@@ -123,11 +123,16 @@ class TransformerBlock(nn.Module):
         self.self_attn = Attention(args, layer)
         self.mlp = MLP(args, layer)
         self.eps = args.rms_norm_eps
+        # The gammas are folded into the Linears that read them; a smoothed package's norms carry
+        # a smoothing vector instead (its inverse is in those Linears). None: weightless.
+        d = args.hidden_size
+        self.input_layernorm = mx.ones((d,)) if args.smoothing else None
+        self.post_attention_layernorm = mx.ones((d,)) if args.smoothing else None
 
     def __call__(self, h: mx.array, mask: Any, cache: NestedKVCache, o: RunOptions) -> mx.array:
-        # Weightless norms: the gammas are folded into the Linears that read them.
-        h = h + self.self_attn(mx.fast.rms_norm(h, None, self.eps), mask, cache, o)
-        return h + self.mlp(mx.fast.rms_norm(h, None, self.eps), o)
+        x = mx.fast.rms_norm(h, self.input_layernorm, self.eps)
+        h = h + self.self_attn(x, mask, cache, o)
+        return h + self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps), o)
 
 
 class Model(nn.Module):
@@ -146,6 +151,7 @@ class Model(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
         self.lm_head = DualPlaneLinear(args.hidden_size, args.vocab_size)
+        self.norm = mx.ones((args.hidden_size,)) if args.smoothing else None  # as in the layers
         self.options = RunOptions()
 
     @property
@@ -173,7 +179,7 @@ class Model(nn.Module):
         mask = create_attention_mask(h, cache[0])
         for layer, c in zip(self.layers, cache):
             h = layer(h, mask, c, o)
-        return self.lm_head(mx.fast.rms_norm(h, None, self.args.rms_norm_eps), o)
+        return self.lm_head(mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps), o)
 
     def make_cache(self, options: RunOptions | None = None) -> list[NestedKVCache]:
         quantized = (options or self.options).quantize_kv
@@ -190,4 +196,7 @@ class Model(nn.Module):
             if r4 is not None and r4.k > 1:
                 out[f"model.layers.{i}.mlp.r4.had_k"] = tensors[f"aux.had_K.{r4.k}"]
         out.update(DualPlaneLinear.prepare(tensors, "lm_head", dtype))
+        if self.args.smoothing:  # norm weights are parameters only in a smoothed package
+            for name in norm_names(self.args.num_hidden_layers):
+                out[name.removesuffix(".weight")] = tensors[name].astype(dtype)
         return {k.removeprefix("model."): v for k, v in out.items()}

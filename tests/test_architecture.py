@@ -23,6 +23,7 @@ RANKS = {
     "sampling": 4,
     "speculative": 4,
     "evaluation": 4,
+    "roofline": 4,  # bytes per token: the draft-KV policy and the speed model
     "loader": 4,
     "dsv4": 4,
     "demo": 4,

@@ -224,7 +224,10 @@ def test_convert_cli_hf_checkpoint_loads_in_all_modes(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
-    assert summary["method"] == "gptq" and summary["rotation"] == "hadamard"
+    assert summary["method"] == "joint" and summary["rotation"] == "hadamard"
+    # The default prints each Linear's draft and target output error against RTN's.
+    assert "model.layers.0.mlp.down_proj: output error vs RTN: W4" in r.stderr
+    assert 0 < summary["mean_w4_hessian_err_vs_rtn"] < 1
     import bitnest_mlx
 
     m, _ = bitnest_mlx.load(out, dtype=mx.float32)

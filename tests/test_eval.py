@@ -38,7 +38,15 @@ def test_float_mode_perplexity_matches_transformers_on_source_weights(package):
     with torch.no_grad():
         loss = hf(torch.tensor([tokens]), labels=torch.tensor([tokens])).loss.item()
     result = evaluate(
-        model, tokenizer, TEXT, ["float"], max_tokens=128, window=128, gamma=2, spec_tokens=8
+        model,
+        tokenizer,
+        TEXT,
+        ["float"],
+        max_tokens=128,
+        window=128,
+        gamma=2,
+        spec_tokens=8,
+        gen_tokens=0,
     )
     assert result["tokens"] == 127
     scores = result["modes"]["float"]
@@ -63,6 +71,7 @@ def test_draft_perplexity_is_worse_than_target_and_float(package):
         window=64,
         gamma=2,
         spec_tokens=8,
+        gen_tokens=0,
     )
     ppl = {m: s["ppl"] for m, s in result["modes"].items()}
     # Fewer bits cost perplexity: W4A8KV4 > W8A8KV8, and quantizing A/KV costs a little.
@@ -88,6 +97,8 @@ def test_eval_cli_prints_json(package, tmp_path):
             "--window",
             "32",
             "--json",
+            "--gen-tokens",
+            "8",
         ],
         capture_output=True,
         text=True,

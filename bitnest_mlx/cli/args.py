@@ -94,3 +94,28 @@ def non_empty(text: str) -> str:
 
 
 non_empty.__name__ = "str"
+
+
+def draft_kv(text: str) -> int | str:
+    """--draft-kv: 4, 8 or auto."""
+    if text in ("4", "8"):
+        return int(text)
+    if text == "auto":
+        return text
+    raise argparse.ArgumentTypeError(f"must be 4, 8 or auto, got {text!r}")
+
+
+draft_kv.__name__ = "str"
+
+
+def add_draft_kv(p: argparse.ArgumentParser) -> None:
+    """The --draft-kv flag, the same on every command that runs the draft."""
+    p.add_argument(
+        "--draft-kv",
+        type=draft_kv,
+        default="auto",
+        metavar="{4,8,auto}",
+        help="KV the draft reads: 4 (KV4, the hi plane), 8 (KV8, both planes, as the target) or "
+        "auto (KV8 while it adds at most 10%% to the draft's bytes per token, by context "
+        "length; default %(default)s). The target always reads KV8.",
+    )

@@ -12,6 +12,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,20 +22,19 @@ from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
 from .. import kernels, speculative
 from ..demo import CORPUS
-from ..layers.dual_plane import DualPlaneLinear
 from ..loader import LOAD_ERRORS, load
+from ..roofline import CHIPS as CHIPS  # re-exported: the bench's face of the roofline
+from ..roofline import resolve_draft_kv, roofline
 from ..sampling import make_sampler
-from .args import Parser, int_at_least, non_negative_float, non_negative_int, positive_int, refuse
-
-# Peak memory bandwidth (GB/s, Apple specifications).
-CHIPS = {
-    "M4 Pro": 273,
-    "M1/M2/M3 Max": 400,
-    "M4 Max": 546,
-    "M2 Ultra": 800,
-    "M3 Ultra": 819,
-}
-
+from .args import (
+    Parser,
+    add_draft_kv,
+    int_at_least,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    refuse,
+)
 
 # Peak memory bandwidth (GB/s) by chip name, for the achieved-bandwidth fraction on Metal. The
 # longest matching name wins ("M4 Max" before "M4"); binned parts (e.g. 300 GB/s M3 Max) differ.
@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeats", type=positive_int, default=1, help="runs per measurement, best kept (>= 1)"
     )
     p.add_argument("--seed", type=non_negative_int, default=0, help="random seed (>= 0)")
+    add_draft_kv(p)
     p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm peer baseline")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -150,43 +151,6 @@ def mlx_lm_peer(args, bits: int, dtype: mx.Dtype) -> nn.Module:
     return peer
 
 
-def roofline(model: nn.Module, context: int) -> dict:
-    """Bytes read per generated token, counted from the model's Linears and KV layout.
-
-    Weights as on Metal (fp16 scales; MLX's affine biases = -8·scales, read alongside). The
-    draft reads the hi plane once; the target runs two 4-bit matmuls (hi, lo) that both read
-    scales and biases. Plus one embedding row, and the KV cache at `context` tokens: the draft
-    reads the q4 plane, the target both planes; each (token, kv head) group has an fp32 scale.
-    """
-    draft = target = 0
-    for _, m in model.named_modules():
-        if isinstance(m, DualPlaneLinear):
-            plane = m.hi.size * 4  # uint32 words of 8 nibbles
-            scales_and_biases = 2 * m.scales.size * 2
-            bias = m.bias.size * 2 if "bias" in m else 0
-            draft += plane + scales_and_biases + bias
-            target += 2 * plane + 2 * scales_and_biases + bias
-    a = model.args
-    embed_row = a.hidden_size * 2
-    values = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim  # K and V
-    kv_scales = values // a.kv_group * 4
-    kv_draft, kv_target = values // 2 + kv_scales, values + kv_scales
-    per_token = {
-        "draft": draft + embed_row + kv_draft * context,
-        "target": target + embed_row + kv_target * context,
-    }
-    return {
-        "context_tokens": context,
-        "weight_bytes_per_token": {"draft": draft + embed_row, "target": target + embed_row},
-        "kv_bytes_per_context_token": {"draft": kv_draft, "target": kv_target},
-        "bytes_per_token": per_token,
-        "ceiling_tps": {
-            f"{chip} ({bw} GB/s)": {k: bw * 1e9 / v for k, v in per_token.items()}
-            for chip, bw in CHIPS.items()
-        },
-    }
-
-
 def bench_prompt(tokenizer, n: int, vocab: int) -> mx.array:
     """`n` tokens of English text (repeated as needed), so acceptance is realistic."""
     ids = [t for t in tokenizer.encode(" ".join(CORPUS.split())) if t < vocab]
@@ -208,6 +172,11 @@ def run(args: argparse.Namespace) -> dict:
         return run_single_precision(model, str(model_path), prompt, args)
     dtype = model.embed_tokens.weight.dtype
     sampler = make_sampler(args.temp)
+    context = prompt.size + n
+    # Draft-only runs and the roofline read the KV the policy picks at the run's final context;
+    # speculative runs decide each round.
+    draft_kv = resolve_draft_kv(args.draft_kv, model, context)
+    model.options = replace(model.options, draft_kv=draft_kv)
 
     def plain(m: nn.Module, mode: str | None = None) -> Callable[[], Iterator]:
         """mlx-lm's own decoding loop; bitnest models in a fixed mode."""
@@ -233,6 +202,7 @@ def run(args: argparse.Namespace) -> dict:
                 num_draft_tokens=args.num_draft_tokens,
                 fallback=fallback,
                 stats=spec_stats[name],
+                draft_kv=args.draft_kv,
             )
 
         return steps
@@ -282,6 +252,7 @@ def run(args: argparse.Namespace) -> dict:
             "num_draft_tokens": args.num_draft_tokens,
             "temp": args.temp,
             "repeats": rep,
+            "draft_kv": args.draft_kv,
         },
         "prompt_tps": {k: v["tps"] for k, v in pp.items()},
         "generation_tps": {k: v["tps"] for k, v in gen.items()},
@@ -291,7 +262,7 @@ def run(args: argparse.Namespace) -> dict:
         },
         "speculative": spec_summary("speculative"),
         "speculative_auto": spec_summary("speculative_auto"),
-        "roofline": roofline(model, prompt.size + n),
+        "roofline": roofline(model, context, draft_kv),
         # Which path served each kernel-capable op (Metal kernel or pure MLX), with call counts.
         "paths": kernels.report(),
     }
@@ -373,7 +344,7 @@ def report(r: dict) -> str:
     wb, tb = roof["weight_bytes_per_token"], roof["bytes_per_token"]
     lines.append(
         f"roofline at {roof['context_tokens']} context tokens: MB read per token: draft "
-        f"{tb['draft'] / 1e6:.3f} (weights {wb['draft'] / 1e6:.3f}), "
+        f"(KV{roof['draft_kv']}) {tb['draft'] / 1e6:.3f} (weights {wb['draft'] / 1e6:.3f}), "
         f"target {tb['target'] / 1e6:.3f} (weights {wb['target'] / 1e6:.3f})"
     )
     for chip, c in roof["ceiling_tps"].items():

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from ..convert import convert
+from ..convert.joint import W8_BUDGET
 from ..convert.rotation import ROTATIONS
 from ..formats.bitnest import KV_GROUPS
 from .args import Parser, float_at_least, int_at_least, non_negative_int, positive_int, refuse
@@ -22,6 +23,14 @@ def _slack(value: str) -> float | None:
         return None
     if float(value) < 0.5:
         raise argparse.ArgumentTypeError("must be >= 0.5 (RTN's own distance) or 'none'")
+    return float(value)
+
+
+def _lambda(value: str) -> float | None:
+    if value == "auto":
+        return None
+    if float(value) <= 0:
+        raise argparse.ArgumentTypeError("must be > 0 or 'auto'")
     return float(value)
 
 
@@ -47,7 +56,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace an existing non-empty --out (removed only once the new package is complete)",
     )
     p.add_argument("--calib", help="calibration text file (default: built-in corpus)")
-    p.add_argument("--method", choices=("gptq", "rtn"), default="gptq", help="hi-plane method")
+    p.add_argument(
+        "--method",
+        choices=("joint", "gptq", "rtn"),
+        default="joint",
+        help="code selection: joint (default) picks each weight's W4 and W8 codes together on "
+        "the calibration Hessian, trading the draft's error against the target's by "
+        "--lambda-draft; gptq calibrates the hi plane under --w8-slack, then the lo plane; rtn "
+        "rounds to nearest (no calibration)",
+    )
+    p.add_argument(
+        "--lambda-draft",
+        type=_lambda,
+        default=None,
+        help="joint: weight of the draft's (W4) error against the target's (W8), each measured "
+        "in its own grid's steps (> 0), or 'auto' (default): per Linear, the largest weight "
+        "that keeps the target's output error within --w8-budget",
+    )
+    p.add_argument(
+        "--w8-budget",
+        type=float_at_least(0.0),
+        default=W8_BUDGET,
+        help="joint, lambda auto: the target's calibration output error allowed, x that of "
+        "8-bit rounding to nearest (>= 0; default %(default)s)",
+    )
     p.add_argument("--rotate", choices=ROTATIONS, default="hadamard", help="R1/R2 rotation kind")
     p.add_argument(
         "--seed", type=non_negative_int, default=0, help="seed for rotations (>= 0; default 0)"
@@ -99,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache values per scale (manifest kv.group; default 32: finer KV4/KV8 than one "
         "scale per head for 1/4 bit more per cached value)",
     )
+    p.add_argument(
+        "--smooth",
+        action="store_true",
+        help="per-channel smoothing: store an RMSNorm weight d (and W/d in the Linears reading "
+        "it) wherever the calibration text says it lowers the W4/W8 output error (manifest "
+        "norms.smoothing)",
+    )
     return p
 
 
@@ -129,8 +168,11 @@ def main(argv: list[str] | None = None) -> int:
                 damp=args.damp,
                 lo_method=args.lo,
                 w8_slack=args.w8_slack,
+                lambda_draft=args.lambda_draft,
+                w8_budget=args.w8_budget,
                 r3=args.r3 == "on",
                 kv_group=args.kv_group,
+                smooth=args.smooth,
                 scratch=Path(tmp),
                 force=args.force,
             )

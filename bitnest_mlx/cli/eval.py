@@ -1,14 +1,37 @@
-"""`python -m bitnest_mlx.eval` (`bitnest-eval`): perplexity, bits/byte, draft/target agreement."""
+"""`python -m bitnest_mlx.eval` (`bitnest-eval`): perplexity, bits/byte, draft/target agreement,
+sampling acceptance of speculative decoding and its projected speedup on a bandwidth-bound GPU."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
-from ..evaluation import MODES, evaluate
+from ..evaluation import GAMMAS, GEN_TOKENS, MODES, SAMPLING, evaluate
 from ..loader import LOAD_ERRORS, load
-from .args import Parser, int_at_least, non_negative_int, refuse
+from ..sampling import RULES, make_sampler
+from .args import (
+    Parser,
+    add_draft_kv,
+    int_at_least,
+    non_empty,
+    non_negative_float,
+    non_negative_int,
+    probability,
+    refuse,
+)
+
+
+def gamma_list(text: str) -> tuple[int, ...]:
+    """--gammas: comma-separated draft lengths, each >= 1."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 2,3,4, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"each draft length must be >= 1, got {text}")
+    return values
 
 
 def read_text(path: str | Path) -> str:
@@ -65,6 +88,49 @@ def main(argv: list[str] | None = None) -> int:
         default=4,
         help="draft length for the accepted length (>= 0; default %(default)s)",
     )
+    p.add_argument(
+        "--gammas",
+        type=gamma_list,
+        default=GAMMAS,
+        help="fixed draft lengths of the sampled speculative runs (default 2,3,4)",
+    )
+    p.add_argument(
+        "--gen-tokens",
+        type=non_negative_int,
+        default=GEN_TOKENS,
+        help="tokens generated per prompt and draft length by the sampled speculative runs "
+        "(0 = skip them and the speed model; default %(default)s)",
+    )
+    p.add_argument(
+        "--prompt",
+        action="append",
+        type=non_empty,
+        help="a prompt for the sampled runs, raw text (repeat for more); default: the built-in "
+        "code, prose and chat prompts",
+    )
+    p.add_argument(
+        "--temp",
+        type=non_negative_float,
+        default=SAMPLING.temp,
+        help="temperature of the sampled acceptance and runs (default %(default)s)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=probability,
+        default=SAMPLING.top_p,
+        help="top-p of the sampled acceptance and runs, in (0, 1] (default %(default)s)",
+    )
+    p.add_argument(
+        "--seed", type=non_negative_int, default=0, help="seed of the sampled runs (>= 0)"
+    )
+    p.add_argument(
+        "--rule",
+        choices=RULES,
+        default="rejection",
+        help="accept rule of the sampled runs (default %(default)s: its acceptance is "
+        "sum(min(p, q)))",
+    )
+    add_draft_kv(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     try:
@@ -83,18 +149,85 @@ def main(argv: list[str] | None = None) -> int:
     if n < 2:
         return refuse(f"--text {args.text}: {n} token(s) of text, at least 2 are needed to score")
     modes = MODES if args.mode == "all" else (args.mode,)
-    result = evaluate(model, tokenizer, text, modes, args.max_tokens, args.window, args.gamma)
+    prompts = None
+    if args.prompt:
+        prompts = {f"prompt{i + 1}": tokenizer.encode(t) for i, t in enumerate(args.prompt)}
+    result = evaluate(
+        model,
+        tokenizer,
+        text,
+        modes,
+        args.max_tokens,
+        args.window,
+        args.gamma,
+        draft_kv=args.draft_kv,
+        sampler=make_sampler(args.temp, args.top_p),
+        gammas=args.gammas,
+        gen_tokens=args.gen_tokens,
+        prompts=prompts,
+        seed=args.seed,
+        rule=args.rule,
+    )
     result = {"model": str(args.model), "text": str(args.text), "mode": args.mode, **result}
     if args.mode != "all":
         result.update(result["modes"][args.mode])
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    for m, scores in result.pop("modes").items():
-        print(f"{m:>7}: ppl {scores['ppl']:.4f}, {scores['bits_per_byte']:.4f} bits/byte")
-    for k, v in result.items():
-        print(f"{k:>17}: {v:.4f}" if isinstance(v, float) else f"{k:>17}: {v}")
+    print(json.dumps(result) if args.json else report(result))
     return 0
+
+
+def report(r: dict) -> str:
+    """The human-readable report of an `evaluate` result."""
+    r = dict(r)
+    lines = [
+        f"{m:>7}: ppl {s['ppl']:.4f}, {s['bits_per_byte']:.4f} bits/byte"
+        for m, s in r.pop("modes").items()
+    ]
+    kv, sampling = r.pop("draft_kv"), r.pop("sampling")
+    runs, speed = r.pop("speculative_sampling", None), r.pop("speed_model", None)
+    for k, v in r.items():
+        lines.append(f"{k:>17}: {v:.4f}" if isinstance(v, float) else f"{k:>17}: {v}")
+    limit = kv["kv8_context_limit"]
+    lines.append(
+        f"draft KV: {kv['policy']} -> KV{kv['windows']} on the windows (auto reads KV8 up to "
+        f"{'any' if limit is None else limit} context tokens)"
+    )
+    for name, s in kv["readings"].items():
+        lines.append(
+            f"  draft KV{name}: ppl {s['ppl']:.4f}, argmax agreement {s['argmax_agreement']:.4f},"
+            f" sum min(p, q) {s['sum_min_pq']:.4f}"
+        )
+    lines.append(
+        f"sampling (temp {sampling['temp']}, top-p {sampling['top_p']}): mean sum min(p, q) "
+        f"{r['sum_min_pq']:.4f}"
+    )
+    if runs is not None:
+        lines.append(
+            f"speculative runs ({sampling['rule']}, seed {sampling['seed']}, "
+            f"{runs['gen_tokens']} tokens on each of {', '.join(runs['prompt_tokens'])}):"
+        )
+        for g, s in runs["gammas"].items():
+            lines.append(
+                f"  gamma {g}: {s['mean_accepted']:.3f} accepted + 1 = "
+                f"{s['tokens_per_round']:.3f} tokens per round, acceptance "
+                f"{s['acceptance_rate']:.1%} ({s['rounds']} rounds)"
+            )
+    if speed is not None:
+        b = speed["bytes_per_token"]
+        lines.append(
+            f"speed model (bandwidth-bound, {speed['context_tokens']} context tokens, draft "
+            f"KV{speed['draft_kv']}): c = {b['draft'] / 1e6:.3f} / {b['target'] / 1e6:.3f} MB "
+            f"= {speed['cost_ratio']:.3f}"
+        )
+        for g, s in speed["gammas"].items():
+            lines.append(
+                f"  gamma {g}: measured {s['measured_speedup']:.3f}x, "
+                f"i.i.d. (alpha {speed['alpha']:.3f}) {s['iid_speedup']:.3f}x"
+            )
+        lines.append(
+            f"  best: gamma {speed['best_gamma']}, {speed['best_speedup']:.3f}x target-only "
+            f"(i.i.d.: gamma {speed['best_gamma_iid']}, {speed['best_speedup_iid']:.3f}x)"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -6,16 +6,19 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
 
 from .. import speculative
 from ..loader import LOAD_ERRORS, load
+from ..roofline import resolve_draft_kv
 from ..sampling import SeededSampler
 from ..sampling import make_sampler as bitnest_make_sampler
 from .args import (
     Parser,
+    add_draft_kv,
     fraction,
     non_empty,
     non_negative_float,
@@ -75,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=MODES,
         default="speculative",
         help="speculative = W4 draft proposes, W8 target verifies, lossless (default); "
-        "target = W8 weights + KV8 reads; draft = W4 + KV4",
+        "target = W8 weights + KV8 reads; draft = W4 weights, KV per --draft-kv",
     )
     p.add_argument(
         "--num-draft-tokens",
@@ -89,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="speculative: never fall back to target-only decoding, even when measured faster",
     )
+    add_draft_kv(p)
     p.add_argument("--ignore-chat-template", action="store_true", help="use the raw prompt")
     p.add_argument("--system-prompt", help="system message for the chat template")
     p.add_argument(
@@ -158,8 +162,12 @@ def main(argv: list[str] | None = None) -> int:
             fallback=not args.no_fallback,
             stats=spec_stats,
             seed=args.seed,
+            draft_kv=args.draft_kv,  # decided each round from the cache length
         )
     else:  # the draft reading, or a model without one (DeepSeek-V4): mlx-lm's loop, same noise
+        if model.supports_draft:  # mlx-lm's loop: one KV reading, for the final context
+            kv = resolve_draft_kv(args.draft_kv, model, len(prompt) + max_tokens)
+            model.options = replace(model.options, draft_kv=kv)
         seeded = SeededSampler(bitnest_make_sampler(**sampling), args.seed)
         responses = stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=seeded)
 

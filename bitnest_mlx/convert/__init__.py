@@ -6,6 +6,7 @@ The package is written into a hidden sibling of `out` and renamed into place at 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +16,11 @@ from ..formats.bitnest import Planes, planes_from_codes
 from ..formats.hadamard import hadamard_k, split_k
 from .calib import calibration_tokens
 from .gptq import SequentialGPTQ
+from .joint import W8_BUDGET
 from .output import OutputError, atomic_directory, check_output
-from .package import fold_norms, write_package
+from .package import fold_norms, smooth_linears, write_package
 from .rotation import rotate
+from .smoothing import smoothing_vectors
 from .sources import load_gguf, load_hf
 
 
@@ -33,7 +36,7 @@ def convert(
     hf_path: str | Path | None = None,
     gguf: str | Path | None = None,
     calib: str | Path | None = None,
-    method: str = "gptq",
+    method: str = "joint",
     rotate_kind: str = "hadamard",
     seed: int = 0,
     calib_tokens: int = 8192,
@@ -41,8 +44,11 @@ def convert(
     damp: float = 0.01,
     lo_method: str = "gptq",
     w8_slack: float | None = 3.0,
+    lambda_draft: float | None = None,
+    w8_budget: float = W8_BUDGET,
     r3: bool = True,
     kv_group: int = 32,
+    smooth: bool = False,
     scratch: Path,
     force: bool = False,
 ) -> dict:
@@ -52,6 +58,9 @@ def convert(
     non-empty `out` is replaced only with `force`, and only once the new package is complete
     (OutputError otherwise, before anything is read). Nothing appears at `out` until the end: an
     exception or KeyboardInterrupt leaves it as it was, with no temporary folder beside it.
+
+    `smooth` searches per-norm smoothing vectors on the calibration text (`smoothing.py`) and
+    stores those that lower the joint W4/W8 output error (manifest `norms.smoothing`).
     """
     if (hf_path is None) == (gguf is None):
         raise ValueError("give exactly one of hf_path or gguf")
@@ -68,15 +77,20 @@ def convert(
         n_layers = config["num_hidden_layers"]
         weights = rotate(fold_norms(source.weights, n_layers), config, rotate_kind, seed)
         del source.weights  # the folded copy is all that is needed; halves peak memory
-
-        bar = tqdm(total=n_layers + 1, desc=f"{method} {source.name}", unit="layer")
-        k = split_k(config["intermediate_size"])
-        if method == "gptq":
+        tokens = None
+        if smooth or method != "rtn":
             tokens = calibration_tokens(
                 _tokenizer(source.tokenizer_dir), calib, calib_tokens, calib_seq_len
             )
+        smoothing = smoothing_vectors(weights, config, tokens) if smooth else None
+        vectors = (smoothing.vectors or None) if smoothing is not None else None
+
+        bar = tqdm(total=n_layers + 1, desc=f"{method} {source.name}", unit="layer")
+        k = split_k(config["intermediate_size"])
+        if method in ("joint", "gptq"):
+            # Calibrated on what the package runs: the norms' d·x into the Linears' W/d.
             quantize = SequentialGPTQ(
-                weights,
+                smooth_linears(weights, vectors) if vectors else weights,
                 config,
                 tokens,
                 hadamard_k(k) if k > 1 else None,
@@ -84,21 +98,36 @@ def convert(
                 progress=lambda _: bar.update(),
                 lo_method=lo_method,
                 w8_slack=w8_slack,
+                method=method,
+                lambda_draft=lambda_draft,
+                w8_budget=w8_budget,
+                norms=vectors,
             )
         elif method == "rtn":
             quantize = lambda name, w: planes_from_codes(w)
         else:
-            raise ValueError(f"unknown method {method!r}; expected gptq or rtn")
+            raise ValueError(f"unknown method {method!r}; expected joint, gptq or rtn")
 
         stats: dict[str, dict] = {}
 
         def recording(name: str, w: np.ndarray) -> Planes:
             planes = quantize(name, w)
             stats[name] = {
+                **{
+                    k: round(v, 4) for k, v in getattr(quantize, "errors", {}).get(name, {}).items()
+                },
                 "saturation": round(planes.saturation, 6),
                 "w8_max_rel_err": float(f"{planes.w8_max_rel_err:.3e}"),
                 "w4_rel_fro_err": round(planes.w4_rel_fro_err, 5),
             }
+            if "w4_hessian_err_vs_rtn" in stats[name]:
+                e = stats[name]
+                bar.write(
+                    f"{name}: output error vs RTN: W4 {e['w4_hessian_err_vs_rtn']:.3f}x, "
+                    f"W8 {e['w8_hessian_err_vs_rtn']:.3f}x"
+                    + (f" (lambda {e['lambda_draft']:.3g})" if "lambda_draft" in e else ""),
+                    file=sys.stderr,
+                )
             if (method == "rtn" and name.endswith("down_proj")) or name == "lm_head":
                 bar.update()
             return planes
@@ -106,14 +135,17 @@ def convert(
         summary = {
             "source": str(hf_path or gguf),
             "method": method,
-            "lo_method": lo_method if method == "gptq" else "rtn",
+            "lo_method": {"gptq": lo_method, "rtn": "rtn"}.get(method, "joint"),
             "w8_slack": w8_slack if method == "gptq" else None,
+            "lambda_draft": (lambda_draft or "auto") if method == "joint" else None,
+            "w8_budget": w8_budget if method == "joint" and lambda_draft is None else None,
             "rotation": rotate_kind,
             "seed": seed,
             "r4_k": k,
             "r3": r3,
             "kv_group": kv_group,
-            "calibration_tokens": int(tokens.size) if method == "gptq" else 0,
+            "smoothed_norms": len(smoothing.vectors) if smoothing is not None else 0,
+            "calibration_tokens": int(tokens.size) if tokens is not None else 0,
         }
         write_package(
             tmp,
@@ -123,9 +155,14 @@ def convert(
             tokenizer_dir=source.tokenizer_dir,
             name=source.name,
             source_model=str(hf_path or gguf),
-            notes={**summary, "per_linear": stats},
+            notes={
+                **summary,
+                **({"smoothing": smoothing.notes()} if smoothing is not None else {}),
+                "per_linear": stats,
+            },
             r3=r3,
             kv_group=kv_group,
+            smoothing=vectors,
         )
         bar.close()
         layers = [s for n, s in stats.items() if n != "lm_head"]
@@ -135,6 +172,11 @@ def convert(
             "mean_w4_rel_fro_err": round(float(np.mean([s["w4_rel_fro_err"] for s in layers])), 5),
             "mean_saturation": round(float(np.mean([s["saturation"] for s in layers])), 6),
             "max_w8_max_rel_err": max(s["w8_max_rel_err"] for s in layers),
+            **{
+                f"mean_{key}": round(float(np.mean([s[key] for s in layers])), 4)
+                for key in ("w4_hessian_err_vs_rtn", "w8_hessian_err_vs_rtn")
+                if key in layers[0]
+            },
             "lm_head": stats["lm_head"],
         }
 

@@ -24,56 +24,13 @@ from ..formats.bitnest import (
     weight_scales,
 )
 from ..formats.hadamard import r4_transform
-
-
-def hessian(x: np.ndarray) -> np.ndarray:
-    """2 XᵀX / n over calibration rows x [n, K]."""
-    x = x.reshape(-1, x.shape[-1]).astype(np.float64)
-    return 2.0 * x.T @ x / max(len(x), 1)
-
-
-def _sweep(
-    w: np.ndarray,
-    h: np.ndarray,
-    damp: float,
-    quantize: Callable[[np.ndarray, int], tuple],
-    act_order: bool = False,
-) -> np.ndarray:
-    """GPTQ's column sweep in blocks of 128 over the damped H⁻¹'s upper Cholesky factor.
-
-    `quantize(values, col) -> (codes, dequantized)` rounds one column onto its grid; the
-    rounding error is fed forward to the columns not yet quantized. `act_order` sweeps the
-    columns by decreasing Hessian diagonal; the grids (static groups) and the returned codes
-    [N, K] keep the original column order."""
-    h = h.astype(np.float64)
-    dead = np.diag(h) == 0  # inputs that are always zero: their weights cannot matter
-    h[dead, dead] = 1
-    order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(len(h))
-    # Transposed [K, N], so each column is a contiguous row.
-    wt = np.where(dead[:, None], 0.0, w.T.astype(np.float64))[order]
-    h = h[order][:, order]
-    h[np.diag_indices_from(h)] += damp * np.mean(np.diag(h))
-    u = np.linalg.cholesky(np.linalg.inv(h)).T
-    k, n = wt.shape
-    codes = np.zeros((k, n), dtype=np.int8)
-    for i1 in range(0, k, GROUP_SIZE):
-        i2 = min(i1 + GROUP_SIZE, k)
-        block, err = wt[i1:i2].copy(), np.zeros((i2 - i1, n))
-        for j in range(i2 - i1):
-            col = i1 + j
-            codes[col], value = quantize(block[j], order[col])
-            e = (block[j] - value) / u[col, col]
-            block[j:] -= np.outer(u[col, col:i2], e)
-            err[j] = e
-        wt[i2:] -= u[i1:i2, i2:].T @ err
-    out = np.empty((n, k), dtype=np.int8)
-    out[:, order] = codes.T
-    return out
+from .joint import W8_BUDGET, budgeted_joint_planes, joint_codes, output_errors_vs_rtn
+from .sweep import Factor, hessian, sweep
 
 
 def gptq_codes(
     w: np.ndarray,
-    h: np.ndarray,
+    h: np.ndarray | Factor,
     damp: float = 0.01,
     w8_slack: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -99,11 +56,11 @@ def gptq_codes(
         q = np.clip(np.round(values / s[:, col]), low[:, col], high[:, col])
         return q, q * s[:, col]
 
-    return _sweep(w, h, damp, hi), scales
+    return sweep(w, h, damp, lambda v, col: hi(v[0], col))[0], scales
 
 
 def gptq_residual_codes(
-    w: np.ndarray, q4: np.ndarray, scales: np.ndarray, h: np.ndarray, damp: float = 0.01
+    w: np.ndarray, q4: np.ndarray, scales: np.ndarray, h: np.ndarray | Factor, damp: float = 0.01
 ) -> np.ndarray:
     """lo codes qr [N, K] for fixed hi codes, minimising the W8 output error with GPTQ's error
     feedback: each column's grid is q4·s + qr·s/16, qr in [-8, 7] ([0, 7] where q4 = -8).
@@ -121,7 +78,7 @@ def gptq_residual_codes(
         qr = np.clip(np.round((values - base[:, col]) / step), low[:, col], 7)
         return qr, base[:, col] + qr * step
 
-    return _sweep(w, h, damp, lo, act_order=True)
+    return sweep(w, h, damp, lambda v, col: lo(v[0], col), act_order=True)[0]
 
 
 def _rms_norm(x: np.ndarray, eps: float) -> np.ndarray:
@@ -148,11 +105,20 @@ class SequentialGPTQ:
         progress: Callable[[int], None] | None = None,
         lo_method: str = "gptq",
         w8_slack: float | None = None,
+        method: str = "gptq",
+        lambda_draft: float | None = None,
+        w8_budget: float = W8_BUDGET,
+        norms: dict[str, np.ndarray] | None = None,
     ):
         self.w, self.config, self.had_k, self.damp = weights, config, had_k, damp
         self.gptq_lo, self.w8_slack = lo_method == "gptq", w8_slack
+        self.joint, self.lambda_draft, self.w8_budget = method == "joint", lambda_draft, w8_budget
+        self.errors: dict[str, dict[str, float]] = {}
+        # Smoothing vectors (norm weight name -> d); `weights` must then hold the Linears as W/d.
+        self.norms = norms or {}
         self.h = weights["model.embed_tokens.weight"][tokens].astype(np.float64)
         self.layer, self.hessians, self.planes = -1, {}, {}
+        self.factors: dict[tuple[int, bool], Factor] = {}
         self.progress = progress
         hd = config["head_dim"]
         self.rope = initialize_rope(
@@ -168,11 +134,37 @@ class SequentialGPTQ:
         if layer != self.layer:
             self._advance(layer)
         h = self.hessians[name.rsplit(".", 1)[-1]]
-        codes, scales = gptq_codes(w, h, self.damp, self.w8_slack)
-        residual = gptq_residual_codes(w, codes, scales, h, self.damp) if self.gptq_lo else None
+        if self.joint and self.lambda_draft is None:
+            planes, lam, errors = budgeted_joint_planes(
+                w, self._factor(h), self.w8_budget, self.damp
+            )
+            self.planes[name] = planes
+            self.errors[name] = {**errors, "lambda_draft": lam}
+            return planes
+        if self.joint:
+            codes, residual, scales = joint_codes(w, self._factor(h), self.lambda_draft, self.damp)
+        else:
+            codes, scales = gptq_codes(w, self._factor(h), self.damp, self.w8_slack)
+            residual = None
+            if self.gptq_lo:
+                lo = self._factor(h, act_order=True)
+                residual = gptq_residual_codes(w, codes, scales, lo, self.damp)
         planes = planes_from_codes(w, codes, scales, residual)
         self.planes[name] = planes
+        self.errors[name] = output_errors_vs_rtn(w, planes, h)
         return planes
+
+    def _factor(self, h: np.ndarray, act_order: bool = False) -> Factor:
+        """Each Hessian's factor once (q/k/v and gate/up share theirs)."""
+        key = (id(h), act_order)
+        if key not in self.factors:
+            self.factors[key] = Factor(h, self.damp, act_order)
+        return self.factors[key]
+
+    def _norm(self, name: str) -> np.ndarray:
+        """RMSNorm of the hidden states, times the norm's smoothing vector if it has one."""
+        x = _rms_norm(self.h, self.config["rms_norm_eps"])
+        return x * self.norms[name] if name in self.norms else x
 
     def _rope(self, x: np.ndarray) -> np.ndarray:
         return np.array(self.rope(mx.array(x.astype(np.float32))), dtype=np.float64)
@@ -190,10 +182,10 @@ class SequentialGPTQ:
     def _layer(self, i: int, quantized: bool) -> dict[str, np.ndarray]:
         """One decoder layer over self.h; returns the A8 inputs of each Linear, updates self.h."""
         c, p = self.config, f"model.layers.{i}."
-        eps, hd = c["rms_norm_eps"], c["head_dim"]
+        hd = c["head_dim"]
         n_h, n_kv = c["num_attention_heads"], c["num_key_value_heads"]
         b, t, _ = self.h.shape
-        x = a8(_rms_norm(self.h, eps))
+        x = a8(self._norm(p + "input_layernorm.weight"))
         q = self._linear(x, p + "self_attn.q_proj", quantized).reshape(b, t, n_h, hd)
         k = self._linear(x, p + "self_attn.k_proj", quantized).reshape(b, t, n_kv, hd)
         v = self._linear(x, p + "self_attn.v_proj", quantized).reshape(b, t, n_kv, hd)
@@ -206,7 +198,7 @@ class SequentialGPTQ:
         o = (probs / probs.sum(-1, keepdims=True)) @ v
         o8 = a8(o.transpose(0, 2, 1, 3).reshape(b, t, n_h * hd), hd)
         self.h = self.h + self._linear(o8, p + "self_attn.o_proj", quantized)
-        x2 = a8(_rms_norm(self.h, eps))
+        x2 = a8(self._norm(p + "post_attention_layernorm.weight"))
         g = self._linear(x2, p + "mlp.gate_proj", quantized)
         a = g / (1 + np.exp(-g)) * self._linear(x2, p + "mlp.up_proj", quantized)
         a8_down = a8(r4_transform(a, self.had_k))
@@ -222,13 +214,15 @@ class SequentialGPTQ:
                 self.progress(self.layer)
         if layer == self.config["num_hidden_layers"]:
             # lm_head reads the final norm's A8 output of the quantized stack.
-            self.hessians = {"lm_head": hessian(a8(_rms_norm(self.h, self.config["rms_norm_eps"])))}
+            self.factors = {}
+            self.hessians = {"lm_head": hessian(a8(self._norm("model.norm.weight")))}
             self.layer = layer
             return
         saved = self.h
         inputs = self._layer(layer, quantized=False)
         self.h = saved
         hs = {key: hessian(x) for key, x in inputs.items()}
+        self.factors = {}
         self.hessians = {
             "q_proj": hs["q_proj"],
             "k_proj": hs["q_proj"],

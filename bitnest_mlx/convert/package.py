@@ -17,6 +17,8 @@ from ..formats.bitnest import (
     PackageError,
     Planes,
     linear_shapes,
+    norm_names,
+    norm_readers,
     quantize_planes,
     writer,
 )
@@ -54,6 +56,19 @@ def fold_norms(weights: Mapping[str, np.ndarray], num_layers: int) -> dict[str, 
     return w
 
 
+def smooth_linears(
+    weights: Mapping[str, np.ndarray], vectors: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """Divide the input columns of the Linears that read each norm by its smoothing vector d
+    (`{norm weight name: d}`, norms folded to ones first): with the norm weight d the float
+    function is unchanged, W/d · (d·x) = W·x, while the quantizers see d·x and W/d."""
+    w = dict(weights)
+    for norm, d in vectors.items():
+        for lin in norm_readers(norm):
+            w[f"{lin}.weight"] = (w[f"{lin}.weight"] / np.asarray(d, np.float32)).astype(np.float32)
+    return w
+
+
 def write_package(
     out_dir: str | Path,
     weights: Mapping[str, np.ndarray],
@@ -66,8 +81,13 @@ def write_package(
     notes: dict | None = None,
     r3: bool = False,
     kv_group: int | None = None,
+    smoothing: Mapping[str, np.ndarray] | None = None,
 ) -> Path:
     """Write float Llama/Qwen2 weights (HF names) as a package: norms folded, R4 fused, RTN.
+
+    `smoothing` ({norm weight name: d [D] > 0}, e.g. `convert.smoothing.smoothing_vectors(...)
+    .vectors`) stores d as those norm weights and divides the columns of the Linears reading them
+    by d after folding (`smooth_linears`): the package says `norms.smoothing: true` (§2.5).
 
     `quantize(name, w)` replaces RTN (e.g. GPTQ hi codes via `planes_from_codes`); it is called
     once per Linear in forward order (layer 0 q, k, v, o, gate, up, down, layer 1, ..., lm_head)
@@ -117,6 +137,17 @@ def write_package(
     had = hadamard_k(k) if k > 1 else None
 
     w = fold_norms(weights, config["num_hidden_layers"])
+    if smoothing is not None:
+        known = set(norm_names(config["num_hidden_layers"]))
+        for norm, d in smoothing.items():
+            d = np.asarray(d)
+            ok = d.shape == (config["hidden_size"],) and np.all(np.isfinite(d) & (d > 0))
+            if norm not in known or not ok:  # checked before any file is written
+                raise PackageError(
+                    f"write: smoothing vector {norm} {list(d.shape)}: expected a norm weight "
+                    f"name of this model and [{config['hidden_size']}] finite positive values"
+                )
+        w = smooth_linears(w, smoothing)
     planes: dict[str, Planes] = {}
     for lin in names:
         wt = w[f"{lin}.weight"]
@@ -137,4 +168,5 @@ def write_package(
         notes=notes,
         r3=r3,
         kv_group=kv_group,
+        norms=None if smoothing is None else dict(smoothing),
     )

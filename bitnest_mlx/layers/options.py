@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MODES = ("draft", "target")
+DRAFT_KV = (4, 8)  # the KV planes a draft call reads: KV4 (hi plane) or KV8 (both)
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,9 @@ class RunOptions:
     passes (perplexity) are much faster dense; the quantized matmul stays the default because it
     gives bit-identical rows whatever the batch, which exact cache rollback relies on.
     use_kernels: allow the Metal kernels (they still run only on Metal, after their self-test).
+    draft_kv: the KV a draft call reads, 4 (the hi plane, default) or 8 (both planes, as the
+    target). The cache stores both planes either way; only the read differs, so the target's
+    verification, and with it the exactness of speculative output, does not depend on it.
     """
 
     mode: str = "target"
@@ -26,11 +30,19 @@ class RunOptions:
     quantize_kv: bool = True
     dense_min_rows: int = 0
     use_kernels: bool = True
+    draft_kv: int = 4
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.draft_kv not in DRAFT_KV:
+            raise ValueError(f"draft_kv must be one of {DRAFT_KV}, got {self.draft_kv!r}")
 
     @property
     def draft(self) -> bool:
         return self.mode == "draft"
+
+    @property
+    def reads_kv4(self) -> bool:
+        """Whether attention reads KV4 (the hi plane only): a draft call with draft_kv == 4."""
+        return self.draft and self.draft_kv == 4

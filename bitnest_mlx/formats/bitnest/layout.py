@@ -29,6 +29,9 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 DEFAULT_EPS = {"llama": 1e-5, "qwen2": 1e-6}
+# The manifest's `norms` block: `smoothing` is interpreted (§2.5); the others are descriptive
+# (the seed manifest's). A key outside this list may change the function, so it is refused.
+NORMS_KEYS = ("fused", "decoder_norms_identity", "note", "smoothing")
 
 
 class PackageError(ValueError):
@@ -55,3 +58,27 @@ def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
     }
     shapes["lm_head"] = (config["vocab_size"], d)
     return shapes
+
+
+def norm_names(num_layers: int) -> list[str]:
+    """The RMSNorm weights a smoothed package stores (§2.5), in forward order, final norm last."""
+    return [
+        f"model.layers.{i}.{norm}.weight"
+        for i in range(num_layers)
+        for norm in ("input_layernorm", "post_attention_layernorm")
+    ] + ["model.norm.weight"]
+
+
+# The Linears each norm feeds (their inputs are that norm's output).
+NORM_READERS = {
+    "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def norm_readers(norm: str) -> list[str]:
+    """Full names of the Linears reading norm weight `norm` (a name from `norm_names`)."""
+    if norm == "model.norm.weight":
+        return ["lm_head"]
+    prefix, kind, _ = norm.rsplit(".", 2)
+    return [f"{prefix}.{lin}" for lin in NORM_READERS[kind]]

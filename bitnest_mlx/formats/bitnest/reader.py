@@ -16,7 +16,16 @@ import numpy as np
 
 from ..hadamard import is_power_of_two
 from .files import find_manifest, read_json, read_tensors
-from .layout import ARCHS, DEFAULT_EPS, FORMAT, INDEX_NAME, PackageError, linear_shapes
+from .layout import (
+    ARCHS,
+    DEFAULT_EPS,
+    FORMAT,
+    INDEX_NAME,
+    NORMS_KEYS,
+    PackageError,
+    linear_shapes,
+    norm_names,
+)
 from .numerics import GROUP_SIZE, KV_GROUPS
 from .spec import PackageSpec
 
@@ -121,9 +130,19 @@ def _check_manifest(manifest: dict, f: Path) -> None:
             )
         if not isinstance(entry.get("has_bias", False), bool):
             raise PackageError(f"{f}: {name}: has_bias = {entry['has_bias']!r}, expected a bool")
-    for block in ("kv", "online_hadamard", "activation", "rope"):
+    for block in ("kv", "online_hadamard", "activation", "rope", "norms"):
         if block in manifest and not isinstance(manifest[block], dict):
             raise PackageError(f"{f}: {block} is {manifest[block]!r}, expected an object")
+    # `norms` is interpreted since the smoothing extension (§2.5): a key this reader does not know
+    # might change the function, so it is refused rather than ignored.
+    for key, value in manifest.get("norms", {}).items():
+        if key not in NORMS_KEYS:
+            raise PackageError(
+                f"{f}: norms.{key}: unknown key; expected only {', '.join(NORMS_KEYS)} (this "
+                "reader cannot interpret it)"
+            )
+        if key == "smoothing" and not isinstance(value, bool):
+            raise PackageError(f"{f}: norms.smoothing = {value!r}, expected true or false")
     kv = manifest.get("kv", {})
     if kv.get("per_channel_offset", "none") not in ("none", "k_bias"):
         raise PackageError(
@@ -341,8 +360,17 @@ def _check_norm(f: Path, name: str, a: mx.array, d: int) -> None:
         f,
         name,
         "norm weight is not ~1, so the package is unfused (expected RMSNorm weights folded into "
-        "the following Linears and ones stored)",
+        "the following Linears and ones stored, or norms.smoothing: true in the manifest)",
     )
+
+
+def _check_smoothing(f: Path, name: str, a: mx.array) -> None:
+    """A stored norm weight multiplies the normalized stream: it must be finite and positive
+    (its inverse is fused into the Linears that read it, §2.5)."""
+    v = np.array(a)
+    if (bad := np.flatnonzero(~(np.isfinite(v) & (v > 0)))).size:
+        msg = f"value {v[bad[0]]} at channel {bad[0]}: expected a finite positive smoothing vector"
+        raise _fail(f, name, msg)
 
 
 def read(path: str | Path) -> Package:
@@ -389,6 +417,10 @@ def read(path: str | Path) -> Package:
         why = f"; {manifest_file.name} gives {layer} K = {k}"
         h = tensors.expect(name, mx.float32, (k, k), why)
         _check_had_k(tensors.file(name), name, h)
+    if (manifest.get("norms") or {}).get("smoothing") is True:
+        for name in norm_names(config["num_hidden_layers"]):
+            a = tensors.expect(name, mx.float32, (d,), f"; {manifest_file.name}: norms.smoothing")
+            _check_smoothing(tensors.file(name), name, a)
 
     for name, (f, a) in tensors.found.items():
         if name in tensors.used:

@@ -31,6 +31,7 @@ class PackageSpec:
     kv_group: int = 128  # KV scale group
     r3: bool = False  # per-head Hadamard of q and k before the cache
     k_bias_offset: bool = False  # K cached without its bias, added back at read time
+    smoothing: bool = False  # RMSNorms carry stored weights (per-channel smoothing, §2.5)
 
     @classmethod
     def from_package(cls, manifest: dict, config: dict) -> PackageSpec:
@@ -50,6 +51,7 @@ class PackageSpec:
                 "kv_group": kv.get("group", head_dim),
                 "r3": kv.get("r3") is True or kv.get("r3_enabled") is True,
                 "k_bias_offset": kv.get("per_channel_offset") == "k_bias",
+                "smoothing": (manifest.get("norms") or {}).get("smoothing") is True,
             }
         )
 

@@ -13,7 +13,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .layout import DEFAULT_EPS, FORMAT, LAYER_LINEARS, TOKENIZER_FILES, linear_shapes
+from .layout import (
+    DEFAULT_EPS,
+    FORMAT,
+    LAYER_LINEARS,
+    TOKENIZER_FILES,
+    PackageError,
+    linear_shapes,
+    norm_names,
+)
 from .numerics import GROUP_SIZE, Planes
 
 
@@ -27,6 +35,7 @@ def _manifest(
     k: int,
     r3: bool,
     kv_group: int | None,
+    smoothing: bool,
 ) -> dict:
     n_layers, head_dim = config["num_hidden_layers"], config["head_dim"]
     per_layer_group = {
@@ -62,12 +71,7 @@ def _manifest(
                 f"model.layers.{i}.mlp.down_proj": {"K": k, "fp32": False} for i in range(n_layers)
             },
         },
-        "norms": {
-            "fused": True,
-            "decoder_norms_identity": True,
-            "note": "RMSNorm weights folded into the following Linears; final norm folded into "
-            "lm_head, model.norm.weight saved as ones",
-        },
+        "norms": _norms_block(smoothing),
         "kv": {
             "nesting": "per token and kv.group values of a head: s = max|x|/7, "
             "q4 = clip(round(x/s)), qr = clip(round((x - q4 s)/(s/16))); "
@@ -99,6 +103,42 @@ def _manifest(
     }
 
 
+def _norms_block(smoothing: bool) -> dict:
+    if not smoothing:
+        return {
+            "fused": True,
+            "decoder_norms_identity": True,
+            "note": "RMSNorm weights folded into the following Linears; final norm folded into "
+            "lm_head, model.norm.weight saved as ones",
+        }
+    return {
+        "fused": True,
+        "decoder_norms_identity": False,
+        "smoothing": True,
+        "note": "RMSNorm gammas folded into the following Linears; every norm then stores a "
+        "per-channel smoothing vector d (float32) and the Linears that read it have their "
+        "columns divided by d (docs/bitnest-package.md §2.5)",
+    }
+
+
+def _norm_tensors(norms: dict[str, np.ndarray], config: dict) -> dict[str, mx.array]:
+    """All 2L + 1 norm weights as float32 [D]; a norm not in `norms` is ones (no smoothing)."""
+    d = config["hidden_size"]
+    out = {}
+    for name in norm_names(config["num_hidden_layers"]):
+        v = np.asarray(norms.get(name, np.ones(d)), dtype=np.float32)
+        if v.shape != (d,) or not np.all(np.isfinite(v) & (v > 0)):
+            raise PackageError(
+                f"write: smoothing vector {name} has shape {list(v.shape)}; expected [{d}] of "
+                "finite positive values"
+            )
+        out[name] = mx.array(v)
+    unknown = sorted(set(norms) - set(out))
+    if unknown:
+        raise PackageError(f"write: {unknown[0]} is not a norm weight of this model")
+    return out
+
+
 def write(
     out_dir: str | Path,
     config: dict,
@@ -113,6 +153,7 @@ def write(
     notes: dict | None = None,
     r3: bool = False,
     kv_group: int | None = None,
+    norms: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """Lay out a package: `planes` of every Linear (layers in order, lm_head last; down_proj with
     R4 fused by `had_k`, or None when intermediate_size is a power of two), their `biases`, the
@@ -120,7 +161,9 @@ def write(
 
     `notes` (JSON-able) is recorded in the manifest as `conversion`; `r3` turns on the per-head
     Hadamard of q and k before the KV cache and `kv_group` sets the KV scale group (default
-    head_dim).
+    head_dim). `norms` ({norm weight name: [D] positive}) stores smoothing vectors (§2.5): every
+    norm weight is written (ones where not given) and the manifest says `norms.smoothing: true`;
+    the Linears in `planes` must already have their columns divided by them.
     """
     arch = config["model_type"]
     out = Path(out_dir)
@@ -144,13 +187,24 @@ def write(
         mx.bfloat16
     )
     tensors["model.norm.weight"] = mx.ones((config["hidden_size"],), dtype=mx.float32)
+    if norms is not None:
+        tensors.update(_norm_tensors(norms, config))
     k = 1 if had_k is None else had_k.shape[0]
     if had_k is not None:
         tensors[f"aux.had_K.{k}"] = mx.array(had_k.astype(np.float32))
     mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
 
     manifest = _manifest(
-        config, arch, name or out.name, source_model, linears, planes["lm_head"], k, r3, kv_group
+        config,
+        arch,
+        name or out.name,
+        source_model,
+        linears,
+        planes["lm_head"],
+        k,
+        r3,
+        kv_group,
+        smoothing=norms is not None,
     )
     if notes is not None:
         manifest["conversion"] = notes

@@ -1,0 +1,269 @@
+"""Per-channel smoothing of the RMSNorm outputs (docs/bitnest-package.md §2.5), AWQ style.
+
+For each norm a vector d > 0 in the (rotated) basis of the weights is stored as the norm weight,
+and the Linears that read the norm get their input columns divided by d: in float nothing
+changes, W/d · (d·x) = W·x, but the quantizers see d·x (A8) and W/d (W4/W8). AWQ's choice is
+d = 1/s with s_j = mean|x_j|^α (x the norm's output on calibration text): α > 0 shrinks the
+activation's large channels (A8 gets a finer per-token step) and scales up the weight columns
+they multiply, whose rounding error the large inputs would amplify. α is searched per norm on a
+small grid; α = 0 (d = 1) stays unless another α lowers the joint output error
+λ_d·e4/e4(0) + λ_t·e8/e8(0) of the Linears reading the norm, where
+eN = ||A8(x·d)·RTN_N(W/d)ᵀ - x·Wᵀ||² / ||x·Wᵀ||² over (a sample of) the calibration rows.
+
+The search runs a float forward of the model (numpy, the weights as given: rotated, norms
+folded or not) layer by layer; `measure` reports the choice for a checkpoint without writing one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.rope_utils import initialize_rope
+
+from ..formats.bitnest import a8, dequantize_planes, norm_readers, quantize_planes
+from .package import _rope_params
+
+DEFAULT_ALPHAS = (0.0, 0.25, 0.5)
+
+
+@dataclass
+class Smoothing:
+    """The search's result: `vectors` for `write_package(smoothing=...)` (only norms with
+    α ≠ 0; empty when smoothing does not help anywhere), and per norm the chosen α and the
+    relative squared output errors before (α = 0) and after, for the draft (W4) and target (W8).
+    """
+
+    vectors: dict[str, np.ndarray] = field(default_factory=dict)
+    alphas: dict[str, float] = field(default_factory=dict)
+    errors: dict[str, dict[str, float]] = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+
+    def notes(self) -> dict:
+        """JSON-able record for the manifest's `conversion.smoothing`."""
+        per_norm = {
+            name: {"alpha": self.alphas[name], **{k: float(f"{v:.4e}") for k, v in e.items()}}
+            for name, e in self.errors.items()
+        }
+        return {**self.settings, "per_norm": per_norm}
+
+    def table(self) -> str:
+        """One line per norm: α, W4 and W8 relative output error at α = 0 and chosen, and the
+        error summed over all norms' Linears (the draft's and target's totals)."""
+        lines = [
+            f"{'norm':48s} {'alpha':>5s} {'W4 err0':>9s} {'W4 err':>9s} {'W8 err0':>9s} "
+            f"{'W8 err':>9s}"
+        ]
+        for name, e in self.errors.items():
+            lines.append(
+                f"{name:48s} {self.alphas[name]:5.2f} {e['w4_err0']:9.3e} {e['w4_err']:9.3e} "
+                f"{e['w8_err0']:9.3e} {e['w8_err']:9.3e}"
+            )
+        for plane in ("w4", "w8"):
+            before = sum(e[f"{plane}_err0"] for e in self.errors.values())
+            after = sum(e[f"{plane}_err"] for e in self.errors.values())
+            change = 100 * (after / before - 1) if before else 0.0
+            lines.append(
+                f"sum of {plane.upper()} relative errors: {before:.4e} -> {after:.4e} "
+                f"({change:+.1f} %)"
+            )
+        return "\n".join(lines)
+
+
+def _rms_norm(x: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _dims(config: dict) -> tuple[int, int, int]:
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    return heads, kv_heads, config.get("head_dim") or config["hidden_size"] // heads
+
+
+def norm_inputs(
+    weights: Mapping[str, np.ndarray], config: dict, tokens: np.ndarray
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(norm weight name, the weightless RMSNorm's output [n_tokens, D]) for every norm in
+    forward order (final norm last), from a float32 forward over `tokens` [n_seq, seq_len].
+
+    Norm gammas in `weights` are applied in the forward (they are ones once folded); the yielded
+    x is before the gamma, as the stored Linears see it after folding."""
+    c, eps = config, config["rms_norm_eps"]
+    heads, kv_heads, hd = _dims(c)
+    theta, scaling = _rope_params(c)
+    rope = initialize_rope(hd, theta, False, scaling, c.get("max_position_embeddings", 4096))
+    h = np.asarray(weights["model.embed_tokens.weight"], np.float32)[tokens]
+    b, t, d = h.shape
+    causal = np.tril(np.ones((t, t), dtype=bool))
+
+    def gamma(name: str) -> np.ndarray:
+        return np.asarray(weights.get(name, np.ones(d)), np.float32)
+
+    def lin(x: np.ndarray, name: str) -> np.ndarray:
+        y = x @ np.asarray(weights[f"{name}.weight"], np.float32).T
+        bias = weights.get(f"{name}.bias")
+        return y if bias is None else y + np.asarray(bias, np.float32)
+
+    def heads_first(y: np.ndarray, n: int) -> np.ndarray:
+        return y.reshape(b, t, n, hd).transpose(0, 2, 1, 3)
+
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        x = _rms_norm(h, eps)
+        yield p + "input_layernorm.weight", x.reshape(-1, d)
+        xg = x * gamma(p + "input_layernorm.weight")
+        q = np.array(rope(mx.array(heads_first(lin(xg, p + "self_attn.q_proj"), heads))))
+        k = np.array(rope(mx.array(heads_first(lin(xg, p + "self_attn.k_proj"), kv_heads))))
+        v = heads_first(lin(xg, p + "self_attn.v_proj"), kv_heads)
+        k, v = (np.repeat(a, heads // kv_heads, axis=1) for a in (k, v))
+        scores = np.where(causal, q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd), -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        o = (probs / probs.sum(-1, keepdims=True)) @ v
+        h = h + lin(o.transpose(0, 2, 1, 3).reshape(b, t, heads * hd), p + "self_attn.o_proj")
+        x = _rms_norm(h, eps)
+        yield p + "post_attention_layernorm.weight", x.reshape(-1, d)
+        xg = x * gamma(p + "post_attention_layernorm.weight")
+        g = lin(xg, p + "mlp.gate_proj")
+        silu = g * 0.5 * (1 + np.tanh(g / 2))  # g·sigmoid(g), without exp overflow
+        h = h + lin(silu * lin(xg, p + "mlp.up_proj"), p + "mlp.down_proj")
+    yield "model.norm.weight", _rms_norm(h, eps).reshape(-1, d)
+
+
+def output_errors(x: np.ndarray, linears: Sequence[np.ndarray], d: np.ndarray) -> tuple:
+    """(e4, e8): ||A8(x·d)·Q(W/d)ᵀ - x·Wᵀ||² / ||x·Wᵀ||² summed over `linears` (the weights
+    [N, D] reading x [n, D]), Q = the writer's RTN planes read as W4 and as W8."""
+    x = x.astype(np.float64)
+    x8 = a8(x * d)
+    err, ref = np.zeros(2), 0.0
+    for w in linears:
+        y = x @ w.T.astype(np.float64)
+        ref += float(np.sum(y * y))
+        p = quantize_planes((w / d).astype(np.float32))
+        for j, draft in enumerate((True, False)):
+            diff = x8 @ dequantize_planes(p.hi, p.lo, p.scales, draft=draft).T - y
+            err[j] += float(np.sum(diff * diff))
+    return err[0] / ref, err[1] / ref
+
+
+def smoothing_vector(x: np.ndarray, alpha: float) -> np.ndarray:
+    """d_j = mean|x_j|^-α over the rows of x (AWQ's 1/s), normalized to geometric mean 1 (the
+    quantizers are scale-free; this keeps d·x near x's range for the float16 runtime)."""
+    m = np.mean(np.abs(x), axis=0, dtype=np.float64)
+    m = np.maximum(m, 1e-6 * max(m.max(), 1e-30))  # a dead channel must not give d = 0
+    log_d = -alpha * (np.log(m) - np.mean(np.log(m)))
+    return np.exp(log_d).astype(np.float32)
+
+
+def smoothing_vectors(
+    weights: Mapping[str, np.ndarray],
+    config: dict,
+    tokens: np.ndarray,
+    *,
+    alphas: Sequence[float] = DEFAULT_ALPHAS,
+    lambda_draft: float = 0.5,
+    lambda_target: float = 0.5,
+    min_gain: float = 0.01,
+    max_rows: int = 1024,
+    max_out: int = 2048,
+    seed: int = 0,
+    progress=None,
+) -> Smoothing:
+    """Choose α per norm (module docstring) for the weights as they will be stored (HF names,
+    rotated; gammas folded or not) from a float forward over `tokens` [n_seq, seq_len].
+
+    An α ≠ 0 must cut the joint error by `min_gain` (1 %), else the norm stays unsmoothed: a
+    vector that only fits the sample is not worth storing. The error is measured on `max_rows`
+    sampled token rows and `max_out` sampled output rows per Linear (RTN planes are per row, so
+    that is exact for those rows). Only in-layer norms may make a package smoothed: a reader
+    without the extension refuses their non-unit weights, but would silently ignore a smoothed
+    final norm alone (§2.3), so then the final norm is left unsmoothed too."""
+    grid = sorted({0.0, *(float(a) for a in alphas)})
+    candidates = [a for a in grid if a != 0.0]
+    rng = np.random.default_rng(seed)
+    d_model = config["hidden_size"]
+    result = Smoothing(
+        settings={
+            "alphas": grid,
+            "lambda_draft": lambda_draft,
+            "lambda_target": lambda_target,
+            "min_gain": min_gain,
+            "calibration_tokens": int(np.size(tokens)),
+            "rows": min(max_rows, int(np.size(tokens))),
+        }
+    )
+    rows = None
+    for norm, x in norm_inputs(weights, config, tokens):
+        if rows is None:
+            rows = np.sort(rng.choice(len(x), min(max_rows, len(x)), replace=False))
+        gamma = np.asarray(weights.get(norm, np.ones(d_model)), np.float32)
+        linears = []
+        for lin in norm_readers(norm):
+            w = weights.get(f"{lin}.weight", weights.get("model.embed_tokens.weight"))
+            keep = np.sort(rng.choice(len(w), min(max_out, len(w)), replace=False))
+            linears.append(np.asarray(w[keep], np.float32) * gamma)  # as stored: gamma folded
+        xs = x[rows]
+        base = output_errors(xs, linears, np.ones(d_model, np.float32))
+        # J(0) = λ_d + λ_t; another α must beat it by min_gain.
+        best = ((1 - min_gain) * (lambda_draft + lambda_target), 0.0, base, None)
+        for alpha in candidates:
+            d = smoothing_vector(x, alpha)
+            e = output_errors(xs, linears, d)
+            score = lambda_draft * e[0] / base[0] + lambda_target * e[1] / base[1]
+            if score < best[0]:
+                best = (score, alpha, e, d)
+        _, alpha, e, d = best
+        result.alphas[norm] = alpha
+        result.errors[norm] = {
+            "w4_err0": base[0],
+            "w4_err": e[0],
+            "w8_err0": base[1],
+            "w8_err": e[1],
+        }
+        if d is not None:
+            result.vectors[norm] = d
+        if progress is not None:
+            progress(norm)
+    if set(result.vectors) == {"model.norm.weight"}:
+        result.vectors.clear()
+        result.alphas["model.norm.weight"] = 0.0
+        e = result.errors["model.norm.weight"]
+        e.update(w4_err=e["w4_err0"], w8_err=e["w8_err0"])
+        result.settings["final_norm_alone_dropped"] = True
+    return result
+
+
+def measure(
+    hf_path: str | Path,
+    *,
+    calib: str | Path | None = None,
+    calib_tokens: int = 8192,
+    calib_seq_len: int = 256,
+    rotate_kind: str = "hadamard",
+    seed: int = 0,
+    **search: float,
+) -> Smoothing:
+    """The smoothing `convert(..., smooth=True)` would choose for an HF checkpoint (folded,
+    rotated as the converter does), printed as a table; nothing is written. `search` goes to
+    `smoothing_vectors` (alphas, lambda_draft, lambda_target, max_rows, max_out)."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from .calib import calibration_tokens
+    from .package import fold_norms
+    from .rotation import rotate
+    from .sources import load_hf
+
+    source = load_hf(hf_path)
+    config = source.config
+    weights = rotate(
+        fold_norms(source.weights, config["num_hidden_layers"]), config, rotate_kind, seed
+    )
+    del source.weights
+    tokens = calibration_tokens(
+        load_tokenizer(Path(source.tokenizer_dir)), calib, calib_tokens, calib_seq_len
+    )
+    result = smoothing_vectors(weights, config, tokens, **search)
+    print(result.table())
+    return result

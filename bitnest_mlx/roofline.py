@@ -1,0 +1,172 @@
+"""Bytes read per generated token (the bandwidth roofline), the draft-KV policy that follows from
+them, and the bandwidth-bound speed model of self-speculative decoding (docs/speculative.md).
+
+Decoding one token on a GPU is bound by memory bandwidth: its time is about the bytes it reads
+(weights, one embedding row, the KV cache) over the bandwidth. So bytes per token are the cost
+model of every choice here: which KV the draft reads, and what speculation can gain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import mlx.nn as nn
+
+from .layers.dual_plane import DualPlaneLinear
+
+# Peak memory bandwidth (GB/s, Apple specifications).
+CHIPS = {
+    "M4 Pro": 273,
+    "M1/M2/M3 Max": 400,
+    "M4 Max": 546,
+    "M2 Ultra": 800,
+    "M3 Ultra": 819,
+}
+
+# `auto` lets the draft read KV8 while that costs it at most this fraction of its KV4 bytes per
+# token. The draft's cost enters a round as γ·c (see `projected_speedup`); at the usual
+# c ≈ 0.5, γ = 3, a 10 % dearer draft makes a round ≈ 6 % dearer, which the better draft buys
+# back once it adds ≈ 0.06 × tokens per round (≈ 0.15 tokens at 2.5 per round). Past this point
+# the KV read grows with context while what KV8 adds to acceptance does not.
+KV8_BUDGET = 0.10
+DRAFT_KV_POLICIES = (4, 8, "auto")
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Weight bytes read per token by the draft and the target, as on Metal (fp16 scales; MLX's
+    affine biases = -8·scales, read alongside), plus one embedding row. The draft reads the hi
+    plane once; the target runs two 4-bit matmuls (hi, lo) that both read scales and biases."""
+    draft = target = 0
+    for _, m in model.named_modules():
+        if isinstance(m, DualPlaneLinear):
+            plane = m.hi.size * 4  # uint32 words of 8 nibbles
+            scales_and_biases = 2 * m.scales.size * 2
+            bias = m.bias.size * 2 if "bias" in m else 0
+            draft += plane + scales_and_biases + bias
+            target += 2 * plane + 2 * scales_and_biases + bias
+    embed_row = model.args.hidden_size * 2
+    return {"draft": draft + embed_row, "target": target + embed_row}
+
+
+def kv_bytes(args) -> dict[int, int]:
+    """KV bytes read per context token, by KV reading (4: the q4 plane, 8: both planes); each
+    (token, kv head) group has an fp32 scale, read by both."""
+    values = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim  # K and V
+    scales = values // args.kv_group * 4
+    return {4: values // 2 + scales, 8: values + scales}
+
+
+def roofline(model: nn.Module, context: int, draft_kv: int = 4) -> dict:
+    """Bytes read per generated token at `context` tokens of KV cache, by the draft (reading
+    KV4 or, with `draft_kv=8`, KV8) and the target (KV8), and the tok/s ceilings on `CHIPS`."""
+    weights, kv = weight_bytes(model), kv_bytes(model.args)
+    per_context = {"draft": kv[draft_kv], "target": kv[8]}
+    per_token = {k: weights[k] + per_context[k] * context for k in weights}
+    return {
+        "context_tokens": context,
+        "draft_kv": draft_kv,
+        "weight_bytes_per_token": weights,
+        "kv_bytes_per_context_token": per_context,
+        "bytes_per_token": per_token,
+        "ceiling_tps": {
+            f"{chip} ({bw} GB/s)": {k: bw * 1e9 / v for k, v in per_token.items()}
+            for chip, bw in CHIPS.items()
+        },
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Draft KV policy
+
+
+def choose_draft_kv(
+    context: int, weights: int, kv4: int, kv8: int, budget: float = KV8_BUDGET
+) -> int:
+    """8 if the draft reading KV8 instead of KV4 at `context` tokens adds at most `budget` of
+    its KV4 bytes per token, (kv8 - kv4)·context <= budget·(weights + kv4·context); else 4.
+
+    weights: the draft's weight bytes per token; kv4, kv8: KV bytes per context token."""
+    return 8 if (kv8 - kv4) * context <= budget * (weights + kv4 * context) else 4
+
+
+def kv8_context_limit(weights: int, kv4: int, kv8: int, budget: float = KV8_BUDGET) -> int | None:
+    """The longest context at which `choose_draft_kv` picks 8 (None: at every context)."""
+    slope = kv8 - kv4 - budget * kv4  # extra bytes per context token, net of the budget's share
+    if slope <= 0:
+        return None
+    n = int(budget * weights / slope)
+    while choose_draft_kv(n + 1, weights, kv4, kv8, budget) == 8:  # float rounding at the edge
+        n += 1
+    while n > 0 and choose_draft_kv(n, weights, kv4, kv8, budget) == 4:
+        n -= 1
+    return n
+
+
+def draft_kv_policy(
+    policy: int | str, model: nn.Module, budget: float = KV8_BUDGET
+) -> Callable[[int], int]:
+    """context length -> the KV the draft reads (4 or 8) under `policy` (4, 8 or "auto")."""
+    if policy not in DRAFT_KV_POLICIES:
+        raise ValueError(f"draft_kv must be one of {DRAFT_KV_POLICIES}, got {policy!r}")
+    if policy != "auto":
+        return lambda context: policy
+    weights, kv = weight_bytes(model)["draft"], kv_bytes(model.args)
+    return lambda context: choose_draft_kv(context, weights, kv[4], kv[8], budget)
+
+
+def resolve_draft_kv(policy: int | str, model: nn.Module, context: int) -> int:
+    """The KV (4 or 8) the draft reads at `context` tokens under `policy` (4, 8 or "auto")."""
+    return draft_kv_policy(policy, model)(context)
+
+
+def model_kv8_limit(model: nn.Module, budget: float = KV8_BUDGET) -> int | None:
+    """`kv8_context_limit` of a model: where `auto` switches the draft from KV8 to KV4."""
+    kv = kv_bytes(model.args)
+    return kv8_context_limit(weight_bytes(model)["draft"], kv[4], kv[8], budget)
+
+
+# --------------------------------------------------------------------------------------------
+# Speed model: speculation on a bandwidth-bound GPU
+
+
+def iid_tokens_per_round(alpha: float, gamma: int) -> float:
+    """Expected tokens per round of γ drafts when each is accepted independently with
+    probability α: 1 + α + ... + α^γ = (1 - α^(γ+1)) / (1 - α)."""
+    if alpha >= 1:
+        return gamma + 1.0
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def projected_speedup(tokens_per_round: float, gamma: int, cost_ratio: float) -> float:
+    """Speculative tok/s over target-only tok/s when decoding is bandwidth-bound: a round
+    emits `tokens_per_round` tokens and costs γ draft steps (c = draft / target bytes per token
+    each) plus one verify pass of γ+1 rows, which reads the target's bytes once (≈ 1 step)."""
+    return tokens_per_round / (gamma * cost_ratio + 1)
+
+
+def speed_model(
+    bytes_per_token: Mapping[str, float], alpha: float, tokens_per_round: Mapping[int, float]
+) -> dict:
+    """Projected speedup at each measured γ, from the measured tokens per round and from the
+    i.i.d. formula with per-draft acceptance `alpha`; the best γ of each."""
+    c = bytes_per_token["draft"] / bytes_per_token["target"]
+    rows = {}
+    for gamma, measured in sorted(tokens_per_round.items()):
+        iid = iid_tokens_per_round(alpha, gamma)
+        rows[str(gamma)] = {
+            "measured_tokens_per_round": measured,
+            "measured_speedup": projected_speedup(measured, gamma, c),
+            "iid_tokens_per_round": iid,
+            "iid_speedup": projected_speedup(iid, gamma, c),
+        }
+    best = max(rows, key=lambda g: rows[g]["measured_speedup"], default=None)
+    best_iid = max(rows, key=lambda g: rows[g]["iid_speedup"], default=None)
+    return {
+        "cost_ratio": c,
+        "alpha": alpha,
+        "gammas": rows,
+        "best_gamma": None if best is None else int(best),
+        "best_speedup": None if best is None else rows[best]["measured_speedup"],
+        "best_gamma_iid": None if best_iid is None else int(best_iid),
+        "best_speedup_iid": None if best_iid is None else rows[best_iid]["iid_speedup"],
+    }
