@@ -342,6 +342,49 @@ def hf_config(case: Case, tied: bool):
     return Qwen2Config(**common, rms_norm_eps=1e-6, rope_theta=1e6, use_sliding_window=False)
 
 
+def effective_hf_model(case: Case, path: Path, draft: bool, stored_norms: bool = False):
+    """A transformers model holding exactly what the package computes with A8/KV off: every
+    Linear = dequantized planes, embedding = the bf16 one, down_proj = W' H (undoes the
+    writer's R4 fusion W' = W Hᵀ: the runtime computes W'(H a)), norms = ones (gammas folded)
+    or, with `stored_norms`, the package's norm weights (smoothing vectors)."""
+    import torch
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
+    from bitnest_mlx.formats.hadamard import sylvester
+
+    t = bitnest.read(path).tensors
+    n = case.intermediate
+    if case.r4_k > 1:
+        had_k = np.array(t[f"aux.had_K.{case.r4_k}"], dtype=np.float64)
+        h = np.kron(had_k, sylvester(n // case.r4_k)) / np.sqrt(n)
+    else:
+        h = sylvester(n) / np.sqrt(n)
+    model = (LlamaForCausalLM if case.arch == "llama" else Qwen2ForCausalLM)(
+        hf_config(case, tied=False)
+    )
+    state = {}
+    for name, p in model.state_dict().items():
+        stem = name.removesuffix(".weight")
+        if "norm" in name:
+            w = np.array(t[name]) if stored_norms else np.ones(p.shape)
+        elif name == "model.embed_tokens.weight":
+            w = np.array(t[name].astype(mx.float32))
+        elif name.endswith(".bias"):
+            w = np.array(t[name])
+        else:
+            w = bitnest.dequantize_planes(
+                np.array(t[f"{stem}.hi"]),
+                np.array(t[f"{stem}.lo"]),
+                np.array(t[f"{stem}.scales"]),
+                draft=draft,
+            )
+            if stem.endswith("down_proj"):
+                w = w @ h
+        state[name] = torch.tensor(np.asarray(w, dtype=np.float32))
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
 def writer_config(case: Case) -> dict:
     """The dims the writer needs, spelled out with top-level rope_theta / rope_scaling as HF
     config.json files have them (the transformers 5 `to_dict()` form is tested separately)."""

@@ -30,6 +30,7 @@ from factory import (
     LAYERS,
     VOCAB,
     Case,
+    effective_hf_model,
     hf_config,
     random_source_weights,
     writer_config,
@@ -41,7 +42,6 @@ import bitnest_mlx
 from bitnest_mlx.convert import write_package
 from bitnest_mlx.demo import write_tokenizer
 from bitnest_mlx.formats import bitnest
-from bitnest_mlx.formats.hadamard import sylvester
 from bitnest_mlx.layers import dual_plane, nested_kv
 from bitnest_mlx.layers.options import RunOptions
 
@@ -129,44 +129,6 @@ def runtime_logits(
 
 # ---------------------------------------------------------------------------------------------
 # (a) transformers with the effective weights, quantizers off
-
-
-def effective_hf_model(case: Case, path: Path, draft: bool) -> torch.nn.Module:
-    """A transformers model holding exactly what the package computes with A8/KV off: every
-    Linear = dequantized planes, norms = 1 (gammas are folded), embedding = the bf16 one,
-    down_proj = W' H (undoes the writer's R4 fusion W' = W Hᵀ: the runtime computes W'(H a))."""
-    pkg = bitnest.read(path)
-    t = pkg.tensors
-    n = case.intermediate
-    if case.r4_k > 1:
-        had_k = np.array(t[f"aux.had_K.{case.r4_k}"], dtype=np.float64)
-        h = np.kron(had_k, sylvester(n // case.r4_k)) / np.sqrt(n)
-    else:
-        h = sylvester(n) / np.sqrt(n)
-    model = (LlamaForCausalLM if case.arch == "llama" else Qwen2ForCausalLM)(
-        hf_config(case, tied=False)
-    )
-    state = {}
-    for name, p in model.state_dict().items():
-        stem = name.removesuffix(".weight")
-        if "norm" in name:
-            w = np.ones(p.shape)
-        elif name == "model.embed_tokens.weight":
-            w = np.array(t[name].astype(mx.float32))
-        elif name.endswith(".bias"):
-            w = np.array(t[name])
-        else:
-            w = bitnest.dequantize_planes(
-                np.array(t[f"{stem}.hi"]),
-                np.array(t[f"{stem}.lo"]),
-                np.array(t[f"{stem}.scales"]),
-                draft=draft,
-            )
-            if stem.endswith("down_proj"):
-                w = w @ h
-        state[name] = torch.tensor(np.asarray(w, dtype=np.float32))
-    model.load_state_dict(state, strict=True)
-    return model.eval()
 
 
 def hf_logits(model: torch.nn.Module, tokens: list[int]) -> np.ndarray:

@@ -18,6 +18,7 @@ from factory import (
     copy_package,
     edit_json,
     edit_tensors,
+    effective_hf_model,
     float_weights,
     hf_config,
     random_source_weights,
@@ -33,7 +34,7 @@ from bitnest_mlx.convert.package import smooth_linears
 from bitnest_mlx.convert.smoothing import measure, norm_inputs, smoothing_vectors
 from bitnest_mlx.formats import bitnest
 from bitnest_mlx.formats.bitnest import PackageError
-from bitnest_mlx.formats.hadamard import hadamard_k, split_k, sylvester
+from bitnest_mlx.formats.hadamard import hadamard_k, split_k
 from bitnest_mlx.layers.options import RunOptions
 
 torch = pytest.importorskip("torch")
@@ -74,32 +75,9 @@ def runtime_logits(path: Path, mode: str) -> np.ndarray:
 
 
 def effective_hf_logits(path: Path, draft: bool, with_norms: bool = True) -> np.ndarray:
-    """transformers' Llama holding what the package computes with A8/KV off: Linears = the
-    dequantized planes (down_proj W'·H undoing the R4 fusion), norm weights = the stored d
-    (or ones without `with_norms`, to show the comparison sees them)."""
-    t = bitnest.read(path).tensors
-    n = CASE.intermediate
-    had = np.array(t[f"aux.had_K.{CASE.r4_k}"], dtype=np.float64)
-    h = np.kron(had, sylvester(n // CASE.r4_k)) / np.sqrt(n)
-    model = transformers.LlamaForCausalLM(hf_config(CASE, tied=False))
-    state = {}
-    for name, p in model.state_dict().items():
-        stem = name.removesuffix(".weight")
-        if "norm" in name:
-            w = np.array(t[name]) if with_norms else np.ones(p.shape)
-        elif name == "model.embed_tokens.weight":
-            w = np.array(t[name].astype(mx.float32))
-        else:
-            w = bitnest.dequantize_planes(
-                np.array(t[f"{stem}.hi"]),
-                np.array(t[f"{stem}.lo"]),
-                np.array(t[f"{stem}.scales"]),
-                draft=draft,
-            )
-            if stem.endswith("down_proj"):
-                w = w @ h
-        state[name] = torch.tensor(np.asarray(w, dtype=np.float32))
-    model.load_state_dict(state, strict=True)
+    """transformers' Llama holding what the package computes with A8/KV off, norm weights =
+    the stored d (or ones without `with_norms`, to show the comparison sees them)."""
+    model = effective_hf_model(CASE, path, draft, stored_norms=with_norms)
     with torch.no_grad():
         return model.eval()(torch.tensor([TOKENS])).logits[0].double().numpy()
 
