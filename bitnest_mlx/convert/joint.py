@@ -118,20 +118,26 @@ def joint_codes(
     return q4, qr, scales
 
 
-def output_errors_vs_rtn(w: np.ndarray, planes: Planes, h: np.ndarray) -> dict[str, float]:
-    """The draft's and the target's output errors tr(E H Eᵀ), each relative to RTN's (< 1: the
-    calibrated codes beat rounding to nearest on these inputs)."""
+def output_errors(w: np.ndarray, planes: Planes, h: np.ndarray) -> dict[int, float]:
+    """The draft's (4) and the target's (8) output errors tr(E H Eᵀ)."""
     h32 = h.astype(np.float32)
+    out = {}
+    for bits, draft in ((4, True), (8, False)):
+        e = w.astype(np.float32) - dequantize_planes(
+            planes.hi, planes.lo, planes.scales, draft=draft
+        )
+        out[bits] = float(np.sum((e @ h32) * e))
+    return out
 
-    def error(p: Planes, draft: bool) -> float:
-        e = w.astype(np.float32) - dequantize_planes(p.hi, p.lo, p.scales, draft=draft)
-        return float(np.sum((e @ h32) * e))
 
-    rtn = planes_from_codes(w)
-    return {
-        f"w{bits}_hessian_err_vs_rtn": error(planes, draft) / max(error(rtn, draft), 1e-30)
-        for bits, draft in ((4, True), (8, False))
-    }
+def output_errors_vs_rtn(
+    w: np.ndarray, planes: Planes, h: np.ndarray, rtn: dict[int, float] | None = None
+) -> dict[str, float]:
+    """`output_errors` relative to RTN's (< 1: the calibrated codes beat rounding to nearest on
+    these inputs); `rtn` passes RTN's errors in when they are already known."""
+    rtn = output_errors(w, planes_from_codes(w), h) if rtn is None else rtn
+    errors = output_errors(w, planes, h)
+    return {f"w{b}_hessian_err_vs_rtn": errors[b] / max(rtn[b], 1e-30) for b in (4, 8)}
 
 
 def budgeted_joint_planes(
@@ -147,11 +153,12 @@ def budgeted_joint_planes(
     error within budget wins; if neither fits, the lower target error. Returns the planes,
     their λ and `output_errors_vs_rtn`."""
     f = h if isinstance(h, Factor) else Factor(h, damp)
+    rtn = output_errors(w, planes_from_codes(w), f.h)  # once for both attempts
 
     def attempt(lam: float) -> tuple[Planes, float, dict[str, float]]:
         q4, qr, scales = joint_codes(w, f, lam, damp)
         planes = planes_from_codes(w, q4, scales, qr)
-        return planes, lam, output_errors_vs_rtn(w, planes, f.h)
+        return planes, lam, output_errors_vs_rtn(w, planes, f.h, rtn)
 
     first = attempt(LAMBDA_START)
     ratio = 0.95 * w8_budget / max(first[2]["w8_hessian_err_vs_rtn"], 1e-12)
