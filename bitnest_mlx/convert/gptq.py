@@ -1,4 +1,5 @@
-"""GPTQ for the hi (W4) plane: static contiguous groups of 128, no act-order, damped Hessian.
+"""Sequential calibration (`SequentialGPTQ`) for the joint codes (`joint.py`) and for GPTQ on the
+hi (W4) plane: static contiguous groups of 128, damped Hessian.
 
 Calibration inputs are collected layer by layer from the partly quantized model: layer i sees the
 hidden states produced by layers < i running on their W4 planes with A8, which is how the draft
