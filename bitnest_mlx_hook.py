@@ -10,7 +10,14 @@ import sys
 from importlib.abc import MetaPathFinder
 
 WATCHED = frozenset(
-    ("mlx_lm.utils", "mlx_lm.generate", "mlx_lm.models.bitnest", "mlx_lm.models.deepseek_v4")
+    (
+        "mlx_lm.utils",
+        "mlx_lm.generate",
+        "mlx_lm.chat",
+        "mlx_lm.server",
+        "mlx_lm.models.bitnest",
+        "mlx_lm.models.deepseek_v4",
+    )
 )
 
 

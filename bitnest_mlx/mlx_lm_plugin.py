@@ -14,6 +14,8 @@ imports one of these modules, so any process sees bitnest models without importi
   shared-cache loop for a (target, PATH#draft) pair and mlx-lm's own loop otherwise.
   `stream_generate` looks the function up at call time, so mlx-lm's CLI and server both use it.
   `main` (`python -m mlx_lm generate`) turns our format errors into one line `error: ...`, exit 2.
+* `mlx_lm.chat`, `mlx_lm.server` (patched right after they run): the same for their `main`; the
+  server loads a model of our formats before it listens (`patch_server`).
 
 A broken package or bundle raises our own error from `mlx_lm.load` (PackageError / BundleError:
 one line naming file, tensor, expectation), never an error from deep inside mlx-lm or
@@ -151,8 +153,7 @@ def find_spec(fullname: str, path=None, target=None) -> ModuleSpec | None:
         return importlib.util.spec_from_loader(fullname, _ModelModule())
     spec = PathFinder.find_spec(fullname, path, target)
     if spec is not None and spec.loader is not None:
-        patch = patch_utils if fullname == "mlx_lm.utils" else patch_generate
-        spec.loader = _PatchAfterExec(spec.loader, patch)
+        spec.loader = _PatchAfterExec(spec.loader, PATCHES[fullname])
     return spec
 
 
@@ -170,9 +171,9 @@ def register() -> None:
             name = getattr(mod, "__name__", "")
             if name.startswith("mlx_lm") and getattr(mod, "load", None) is original:
                 mod.load = utils.load
-    generate = sys.modules.get("mlx_lm.generate")
-    if generate is not None:
-        patch_generate(generate)
+    for name in ("mlx_lm.generate", "mlx_lm.chat", "mlx_lm.server"):
+        if name in sys.modules:
+            PATCHES[name](sys.modules[name])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,6 +315,35 @@ def patch_generate(generate: ModuleType) -> None:
         generate.main = one_line_errors(generate.main)
 
 
+def patch_chat(chat: ModuleType) -> None:
+    """`mlx_lm chat` loads in its main: our load errors become one line."""
+    if not _patched(chat.main):
+        chat.main = one_line_errors(chat.main)
+
+
+def patch_server(server: ModuleType) -> None:
+    """`mlx_lm server` loads its default model in the generation thread, after the port is
+    open, so a broken package would leave a listening server that fails every request. For our
+    formats the default model is loaded in `ModelProvider.__init__`, before the server starts
+    (the thread's load is then a no-op: same model key), and `main` reports a load error as one
+    line, exit 2. Other models keep mlx-lm's own timing."""
+    provider = server.ModelProvider
+    if not _patched(provider.__init__):
+        orig_init = provider.__init__
+
+        @_mark
+        @functools.wraps(orig_init)
+        def __init__(self, cli_args, *args, **kwargs):
+            orig_init(self, cli_args, *args, **kwargs)
+            model = getattr(cli_args, "model", None)
+            if model is not None and _local_format(split_draft(model)[0]) is not None:
+                self.load_default()
+
+        provider.__init__ = __init__
+    if not _patched(server.main):
+        server.main = one_line_errors(server.main)
+
+
 def one_line_errors(main):
     """An mlx-lm CLI `main` that reports our load errors (a broken package or bundle, a Hub id
     that cannot be resolved) as one line `error: ...` on stderr and exits with status 2, as our
@@ -331,6 +361,14 @@ def one_line_errors(main):
             raise SystemExit(refuse(e)) from None
 
     return wrapper
+
+
+PATCHES = {  # module name -> what runs right after mlx-lm's module itself
+    "mlx_lm.utils": patch_utils,
+    "mlx_lm.generate": patch_generate,
+    "mlx_lm.chat": patch_chat,
+    "mlx_lm.server": patch_server,
+}
 
 
 def shared_cache_steps(

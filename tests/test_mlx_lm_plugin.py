@@ -245,14 +245,23 @@ def test_mlx_lm_load_of_broken_package_raises_package_error(mlx_lm, tiny_package
     assert "\n" not in message and named in message and phrase in message
 
 
-def test_mlx_lm_cli_on_broken_package_is_one_line_and_exit_2(tiny_package, tmp_path):
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["generate", "--prompt", "hi", "--max-tokens", "4"],
+        ["chat", "--max-tokens", "4"],
+        ["server", "--host", "127.0.0.1", "--port", "0"],  # must fail before it listens
+    ],
+    ids=lambda c: c[0],
+)
+def test_mlx_lm_cli_on_broken_package_is_one_line_and_exit_2(tiny_package, tmp_path, command):
     named, _ = break_package(tiny_package, "truncated shard")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run(
-        [sys.executable, "-m", "mlx_lm", "generate", "--model", str(tiny_package)]
-        + ["--prompt", "hi", "--max-tokens", "4"],
+        [sys.executable, "-m", "mlx_lm", command[0], "--model", str(tiny_package), *command[1:]],
         cwd=tmp_path,
         env=env,
+        stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
         timeout=120,
