@@ -2,7 +2,8 @@
 
 `build_model(bundle)` builds models/deepseek_v4.py from a bundle that formats/dsv4_bundle.py read
 (strict), swaps in MLX affine layers and MXTQ experts where the bundle stores them, and loads
-every tensor (strict). The tiny demo bundle and random weights are in demo.py.
+every tensor (strict). `load_stage` does the same for one rank of a pipeline, reading only the
+tensors that rank holds. The tiny demo bundle and random weights are in demo.py.
 """
 
 from __future__ import annotations
@@ -24,9 +25,15 @@ def args_from_config(config: dict) -> ModelArgs:
     return ModelArgs.from_dict(config)
 
 
-def build_model(bundle: dsv4_bundle.Bundle, dtype: mx.Dtype = mx.float32) -> Model:
-    """The model with affine / MXTQ layers where the bundle stores them, weights loaded."""
-    model = Model(args_from_config(bundle.config))
+def build_model(
+    bundle: dsv4_bundle.Bundle, dtype: mx.Dtype = mx.float32, model: Model | None = None
+) -> Model:
+    """The model with affine / MXTQ layers where the bundle stores them, weights loaded.
+
+    model: a skeleton to fill instead of a new whole model (one pipeline stage, `load_stage`).
+    """
+    if model is None:
+        model = Model(args_from_config(bundle.config))
     model.set_dtype(dtype)
     for bits, group in set(bundle.affine.values()):
         names = {n for n, bg in bundle.affine.items() if bg == (bits, group)}
@@ -55,6 +62,35 @@ def build_model(bundle: dsv4_bundle.Bundle, dtype: mx.Dtype = mx.float32) -> Mod
     model.load_weights(weights, strict=True)
     model.eval()
     return model
+
+
+def load_stage(
+    path: str | Path,
+    group: mx.distributed.Group,
+    dtype: mx.Dtype = mx.float32,
+    split: list[int] | None = None,
+) -> Model:
+    """This rank's stage of a pipeline over `group` (`Model.pipeline`), holding about 1/size of
+    the layers: the whole bundle is validated, but only the stage's tensors are ever read.
+
+    `dsv4_bundle.read` returns lazy arrays (`mx.load`); the tensors of other stages are dropped
+    here before anything evaluates them, so their bytes never reach memory.
+    """
+    bundle = dsv4_bundle.read(path)
+    model = Model(args_from_config(bundle.config))
+    model.pipeline(group, split)
+    # Every module path and parameter name the stage kept (`layers.3.attn.wq_a`, `norm.weight`):
+    # a tensor is kept with its module (`.scales` and `.tq_packed` come with the swap below).
+    held = set()
+    for name, _ in tree_flatten(model.parameters()):
+        parts = name.split(".")
+        held.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    bundle.tensors = {
+        k: a for k, a in bundle.tensors.items() if k in held or k.rpartition(".")[0] in held
+    }
+    bundle.formats = {k: f for k, f in bundle.formats.items() if k in held}
+    bundle.affine = {k: bg for k, bg in bundle.affine.items() if k in held}
+    return build_model(bundle, dtype, model)
 
 
 def bundle_tokenizer(path: str | Path, config: dict | None = None):

@@ -20,9 +20,15 @@ from .layers.options import RunOptions
 
 # Any of these makes a directory loadable by AutoTokenizer.
 TOKENIZER_DEFINING = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+class PipelineError(ValueError):
+    """A pipeline (`load(..., pipeline=group)`) asked of a format that cannot be split."""
+
+
 # What a load raises for input it refuses: one line naming file, tensor and expectation, which
 # the faces print as it is.
-LOAD_ERRORS = (bitnest.PackageError, dsv4_bundle.BundleError, HubError)
+LOAD_ERRORS = (bitnest.PackageError, dsv4_bundle.BundleError, HubError, PipelineError)
 
 
 def has_tokenizer(path: str | Path) -> bool:
@@ -83,6 +89,14 @@ def _dsv4_model(path: Path, dtype: mx.Dtype | None) -> nn.Module:
     return model
 
 
+def _dsv4_stage(path: Path, dtype: mx.Dtype | None, group: mx.distributed.Group) -> nn.Module:
+    from . import dsv4
+
+    model = dsv4.load_stage(path, group, dtype or mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
 def _dsv4_tokenizer(path: Path):
     from . import dsv4
 
@@ -95,11 +109,13 @@ class ModelFormat:
     model_class: Callable[[], type[nn.Module]]  # says what the models support (supports_draft)
     load_model: Callable[[Path, mx.Dtype | None], nn.Module]  # validated, weights evaluated
     load_tokenizer: Callable[[Path], object]  # mlx-lm TokenizerWrapper, or None without files
+    # This rank's share of a pipeline over a group (None: the format cannot be split).
+    load_stage: Callable[[Path, mx.Dtype | None, mx.distributed.Group], nn.Module] | None = None
 
 
 FORMATS = {
     "bitnest": ModelFormat("bitnest", _bitnest_class, _bitnest_model, _bitnest_tokenizer),
-    "dsv4": ModelFormat("dsv4", _dsv4_class, _dsv4_model, _dsv4_tokenizer),
+    "dsv4": ModelFormat("dsv4", _dsv4_class, _dsv4_model, _dsv4_tokenizer, _dsv4_stage),
 }
 
 
@@ -124,6 +140,7 @@ def load(
     mode: str = "target",
     dtype: mx.Dtype | None = None,
     options: RunOptions | None = None,
+    pipeline: mx.distributed.Group | None = None,
 ) -> tuple[nn.Module, object]:
     """Load a bitnest package or a DeepSeek-V4 MXTQ bundle (local directory or Hub
     `org/repo[@revision]`).
@@ -132,10 +149,19 @@ def load(
     the directory has no tokenizer files). Models with `supports_draft` (bitnest packages) get
     `options` (default: RunOptions(mode=mode)) as their call defaults; others have one precision
     and ignore both.
+
+    `pipeline`: split the layers over the group's ranks (mlx-lm's pipeline convention,
+    layers/pipeline.py); this rank loads and runs its share only, and every rank returns the
+    same logits. Launch one process per rank (`mlx.launch`, docs/deepseek-v4.md).
     """
     path = resolve(path_or_repo)
     fmt = model_format(path)
-    model = fmt.load_model(path, dtype)
+    if pipeline is None:
+        model = fmt.load_model(path, dtype)
+    elif fmt.load_stage is None:
+        raise PipelineError(f"{path}: a {fmt.name} model cannot be split into a pipeline")
+    else:
+        model = fmt.load_stage(path, dtype, pipeline)
     if model.supports_draft:
         model.options = options or RunOptions(mode=mode)
     return model, fmt.load_tokenizer(path)

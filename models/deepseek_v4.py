@@ -23,6 +23,7 @@ from mlx_lm.models.switch_layers import SwitchLinear
 
 from bitnest_mlx.layers.dsv4_cache import DSV4Cache
 from bitnest_mlx.layers.dsv4_ops import PartialRoPE, fp8_fake_quant
+from bitnest_mlx.layers.pipeline import PipelineStage
 
 from .deepseek_v4_attention import Compressor, Indexer
 
@@ -329,6 +330,7 @@ class Model(nn.Module):
     """mlx-lm style: `model(inputs [B, T], cache) -> logits [B, T, V]` for every position.
 
     `qat = True` turns on the reference's QAT simulation (FP8 KV, Hadamard + FP4 indexer).
+    `pipeline(group)` keeps one rank's share of the layers (bitnest_mlx/layers/pipeline.py).
     """
 
     # One set of weights at one precision: there is no cheaper plane to draft with.
@@ -347,23 +349,42 @@ class Model(nn.Module):
         self.hc_head_base = mx.zeros((hc,))
         self.hc_head_scale = mx.ones((1,))
         self.qat = False
+        self.stage = PipelineStage.whole(args.num_hidden_layers)
+
+    def pipeline(self, group: mx.distributed.Group, split: list[int] | None = None) -> None:
+        """Keep this rank's layers only (and the embedding if it runs layer 0); every rank keeps
+        the final collapse, norm and head, so all ranks return the same logits."""
+        self.stage = stage = PipelineStage.of(group, self.args.num_hidden_layers, split)
+        # None in front keeps the parameter names `layers.L.…` the bundle uses.
+        self.layers = [None] * stage.start + self.layers[stage.start : stage.end]
+        if not stage.first:
+            del self.embed
 
     def __call__(self, inputs: mx.array, cache: list[DSV4Cache] | None = None) -> mx.array:
+        """`cache`: `make_cache()`'s list, one cache per layer this rank runs."""
         if cache is None:
             cache = self.make_cache()
-        h = self.embed(inputs)
-        streams = mx.broadcast_to(h[:, :, None], (*h.shape[:2], self.args.hc_mult, h.shape[-1]))
-        for layer, c in zip(self.layers, cache):
+        a, stage = self.args, self.stage
+        if stage.first:
+            h = self.embed(inputs)
+            streams = mx.broadcast_to(h[:, :, None], (*h.shape[:2], a.hc_mult, h.shape[-1]))
+        else:  # a later pipeline stage continues the previous stage's streams
+            streams = stage.receive(
+                (*inputs.shape, a.hc_mult, a.hidden_size), self.norm.weight.dtype
+            )
+        for layer, c in zip(self.layers[stage.start :], cache):
             streams = layer(streams, inputs, c, self.qat)
+        streams = stage.hand_on(streams, cache[-1])
         # Final collapse: sigmoid weights only, no Sinkhorn.
-        m = _hc_mix(streams, self.hc_head_fn, self.args.rms_norm_eps)
-        pre = mx.sigmoid(m * self.hc_head_scale + self.hc_head_base) + self.args.hc_eps
-        y = (pre[..., None] * streams).sum(axis=2).astype(h.dtype)
+        m = _hc_mix(streams, self.hc_head_fn, a.rms_norm_eps)
+        pre = mx.sigmoid(m * self.hc_head_scale + self.hc_head_base) + a.hc_eps
+        y = (pre[..., None] * streams).sum(axis=2).astype(streams.dtype)
         return self.head(self.norm(y)).astype(mx.float32)
 
     def make_cache(self, max_rollback: int = 32) -> list[DSV4Cache]:
-        a = self.args
-        return [DSV4Cache(a.sliding_window, r, max_rollback) for r in a.compress_ratios]
+        a, s = self.args, self.stage
+        ratios = a.compress_ratios[s.start : s.end]
+        return [DSV4Cache(a.sliding_window, r, max_rollback) for r in ratios]
 
 
 __all__ = ["ModelArgs", "Model"]

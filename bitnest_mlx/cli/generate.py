@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--json", action="store_true", help="print one JSON object (text, tokens, mode, stats)"
     )
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="split the model's layers over the ranks of an mx.distributed group (run one "
+        "process per rank with mlx.launch; DeepSeek-V4 bundles); only rank 0 prints",
+    )
     return p
 
 
@@ -118,9 +124,13 @@ def main(argv: list[str] | None = None) -> int:
         from ..demo import demo_path
 
         model_path = demo_path()
+    # Every rank computes the same logits and tokens; rank 0 speaks for the group.
+    group = mx.distributed.init() if args.pipeline else None
+    show = group is None or group.rank() == 0
     try:
         tic = time.perf_counter()
-        model, tokenizer = load(model_path, mode="draft" if args.mode == "draft" else "target")
+        mode = "draft" if args.mode == "draft" else "target"
+        model, tokenizer = load(model_path, mode=mode, pipeline=group)
         load_s = time.perf_counter() - tic
     except LOAD_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
@@ -176,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         text.append(r.text)
         if r.finish_reason != "stop":
             tokens.append(r.token)
-        if not args.json:
+        if show and not args.json:
             print(r.text, end="", flush=True)
         last = r
     stats = {
@@ -198,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             num_draft_tokens=args.num_draft_tokens,
             mean_drafted=round(spec_stats.mean_drafted, 3),
         )
+    if not show:  # another pipeline rank: the same text and stats as rank 0's
+        return 0
     if args.json:
         out = {"text": "".join(text), "tokens": tokens, "mode": args.mode, "stats": stats}
         print(json.dumps(out, ensure_ascii=False))

@@ -75,6 +75,10 @@ class DSV4Cache:
         for pool in self.pools.values():
             pool.keep_from(self.floor)
 
+    def depend_on(self, x: mx.array) -> None:
+        """Evaluating this cache also evaluates x (a pipeline send; layers/pipeline.py)."""
+        self.keys = mx.depends(self.keys, x)
+
     def is_trimmable(self) -> bool:
         return True
 
