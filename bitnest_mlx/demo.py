@@ -155,6 +155,16 @@ def demo_path() -> Path:
     return cached_build(f"demo-v{VERSION}", _build_demo)
 
 
+DEMO = "demo"  # the name `--model demo` accepts for the demo package
+
+
+def resolve_model(model: str | Path | None) -> str | Path:
+    """`None` or "demo" -> the demo package; anything else (a directory, a Hub id) unchanged.
+
+    "demo" wins over a local folder of that name; write ./demo for the folder."""
+    return demo_path() if model is None or str(model) == DEMO else model
+
+
 # ---------------------------------------------------------------- DeepSeek-V4 demo bundle
 
 # Every feature of the family at toy size: hash layers 0-2, ratios 0/4/128, index_topk smaller

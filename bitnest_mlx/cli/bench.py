@@ -21,7 +21,7 @@ from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
 from .. import kernels, speculative
-from ..demo import CORPUS
+from ..demo import CORPUS, DEMO, resolve_model
 from ..loader import LOAD_ERRORS, load
 from ..roofline import CHIPS as CHIPS  # re-exported: the bench's face of the roofline
 from ..roofline import resolve_draft_kv, roofline
@@ -72,7 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmark draft-only, target-only and speculative decoding of a bitnest "
         "package against mlx-lm's Llama at 4 and 8 bits (default model: the demo).",
     )
-    p.add_argument("--model", help="package directory or Hub id (default: the demo package)")
+    p.add_argument(
+        "--model",
+        default=DEMO,
+        help="package directory, Hub id, or 'demo' (the shipped demo package; the default)",
+    )
     at_least_2 = int_at_least(2)
     p.add_argument("--prompt-tokens", type=at_least_2, default=128, help="prompt length (>= 2)")
     p.add_argument("--gen-tokens", type=at_least_2, default=64, help="tokens per run (>= 2)")
@@ -159,11 +163,7 @@ def bench_prompt(tokenizer, n: int, vocab: int) -> mx.array:
 
 def run(args: argparse.Namespace) -> dict:
     mx.random.seed(args.seed)
-    model_path = args.model
-    if model_path is None:
-        from ..demo import demo_path
-
-        model_path = str(demo_path())
+    model_path = str(resolve_model(args.model))
     model, tokenizer = load(model_path)
     a = model.args
     prompt = bench_prompt(tokenizer, args.prompt_tokens, a.vocab_size)

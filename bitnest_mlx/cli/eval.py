@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..demo import DEMO, resolve_model
 from ..evaluation import GAMMAS, GEN_TOKENS, MODES, SAMPLING, evaluate
 from ..loader import LOAD_ERRORS, load
 from ..sampling import RULES, make_sampler
@@ -62,7 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         description="Perplexity and bits per byte of a bitnest package on a text file, with the "
         "draft/target greedy agreement and the mean accepted length of speculative decoding.",
     )
-    p.add_argument("--model", required=True, help="package directory or Hub id org/repo[@rev]")
+    p.add_argument(
+        "--model",
+        default=DEMO,
+        help="package directory, Hub id org/repo[@rev], or 'demo' (the shipped demo package; "
+        "the default)",
+    )
     p.add_argument("--text", required=True, help="UTF-8 text file (not empty, no NUL bytes)")
     p.add_argument(
         "--mode",
@@ -135,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         text = read_text(args.text)  # before the model: a bad file is refused at once
-        model, tokenizer = load(args.model)
+        model, tokenizer = load(resolve_model(args.model))
     except (*LOAD_ERRORS, OSError, ValueError) as e:
         return refuse(e)
     if tokenizer is None:

@@ -12,6 +12,7 @@ import mlx.core as mx
 from mlx_lm.generate import stream_generate
 
 from .. import speculative
+from ..demo import DEMO, resolve_model
 from ..loader import LOAD_ERRORS, load
 from ..roofline import resolve_draft_kv
 from ..sampling import SeededSampler
@@ -33,10 +34,15 @@ MODES = ("speculative", "target", "draft")
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="python -m bitnest_mlx.generate",
-        description="Generate text with a bitnest package. Without --model the embedded demo "
-        "package is built (offline, once) and used.",
+        description="Generate text with a bitnest package. Without --model (or with --model "
+        "demo) the embedded demo package is built (offline, once) and used.",
     )
-    p.add_argument("--model", help="package directory or Hub id org/repo[@rev] (default: demo)")
+    p.add_argument(
+        "--model",
+        default=DEMO,
+        help="package directory, Hub id org/repo[@rev], or 'demo' (the shipped demo package; "
+        "the default)",
+    )
     p.add_argument(
         "--prompt",
         "-p",
@@ -119,11 +125,7 @@ def encode_prompt(tokenizer, prompt: str, args: argparse.Namespace) -> list[int]
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     mx.random.seed(args.seed)
-    model_path = args.model
-    if model_path is None:
-        from ..demo import demo_path
-
-        model_path = demo_path()
+    model_path = resolve_model(args.model)
     # Every rank computes the same logits and tokens; rank 0 speaks for the group.
     group = mx.distributed.init() if args.pipeline else None
     show = group is None or group.rank() == 0

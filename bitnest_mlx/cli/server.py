@@ -3,7 +3,8 @@
 The same server as `python -m mlx_lm server` (all its flags; see docs/server.md), plus:
 
 * `--model` also takes a Hub id `org/repo[@revision]`, fetched with bitnest_mlx.hub (only the
-  files the format needs, one-line errors);
+  files the format needs, one-line errors), or `demo`, the demo package shipped with bitnest_mlx
+  (clients may then name the model "demo");
 * for a bitnest package, `--draft-model` defaults to `MODEL#draft`: the draft reading of the
   same weights, decoded with bitnest's shared-cache self-speculative loop (`--target-only`
   turns it off; `--num-draft-tokens` is the maximum draft length);
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..demo import resolve_model
 from ..hub import HubError, resolve
 from ..loader import LOAD_ERRORS, supports_draft
 from ..mlx_lm_plugin import DRAFT_SUFFIX, register
@@ -33,8 +35,8 @@ def server_argv(argv: list[str]) -> list[str]:
     p.add_argument("--target-only", action="store_true")
     ours, rest = p.parse_known_args(argv)
     if ours.model is None:
-        raise HubError("--model is required (a bitnest package, a DSV4 bundle or a Hub id)")
-    model = str(resolve(ours.model))
+        raise HubError("--model is required (a bitnest package, a DSV4 bundle, a Hub id, or demo)")
+    model = str(resolve(resolve_model(ours.model)))
     draft = ours.draft_model
     if draft is None and not ours.target_only and supports_draft(model):
         draft = model + DRAFT_SUFFIX
