@@ -153,7 +153,8 @@ def evaluate(
     the mean accepted length of the greedy speculative loop at `gamma` (`spec_tokens` tokens);
     the sampled speculative loop at each of `gammas` (`sampled_acceptance`, over `prompts`,
     default `builtin_prompts`; skipped when `gen_tokens` is 0); and the projected speedup on a
-    bandwidth-bound GPU (`roofline.speed_model`)."""
+    bandwidth-bound GPU (`roofline.speed_model`; from the i.i.d. formula alone, at the
+    windows' context, when `gen_tokens` is 0)."""
     # A prefix is enough (no token spans 16 characters) and avoids tokenizing a whole book.
     tokens = tokenizer.encode(text[: 16 * max_tokens], verbose=False)[:max_tokens]
     used_kv = resolve_draft_kv(draft_kv, model, min(window, len(tokens)))
@@ -221,6 +222,15 @@ def evaluate(
             },
         },
     }
+    if gen_tokens == 0 and gammas:  # the i.i.d. projection only, at the windows' context
+        context = min(window, len(tokens))
+        roof = roofline(model, context, resolve_draft_kv(draft_kv, model, context))
+        result["speed_model"] = {
+            "context_tokens": context,
+            "draft_kv": roof["draft_kv"],
+            "bytes_per_token": roof["bytes_per_token"],
+            **speed_model(roof["bytes_per_token"], result["sum_min_pq"], dict.fromkeys(gammas)),
+        }
     if gen_tokens > 0 and gammas:
         prompts = builtin_prompts(tokenizer) if prompts is None else prompts
         runs = sampled_acceptance(model, prompts, gammas, gen_tokens, sampler, seed, rule, draft_kv)

@@ -145,21 +145,25 @@ def projected_speedup(tokens_per_round: float, gamma: int, cost_ratio: float) ->
 
 
 def speed_model(
-    bytes_per_token: Mapping[str, float], alpha: float, tokens_per_round: Mapping[int, float]
+    bytes_per_token: Mapping[str, float],
+    alpha: float,
+    tokens_per_round: Mapping[int, float | None],
 ) -> dict:
-    """Projected speedup at each measured γ, from the measured tokens per round and from the
-    i.i.d. formula with per-draft acceptance `alpha`; the best γ of each."""
+    """Projected speedup at each γ of `tokens_per_round`, from the measured tokens per round
+    (None: not measured) and from the i.i.d. formula with per-draft acceptance `alpha`; the
+    best γ of each."""
     c = bytes_per_token["draft"] / bytes_per_token["target"]
     rows = {}
     for gamma, measured in sorted(tokens_per_round.items()):
         iid = iid_tokens_per_round(alpha, gamma)
         rows[str(gamma)] = {
             "measured_tokens_per_round": measured,
-            "measured_speedup": projected_speedup(measured, gamma, c),
+            "measured_speedup": None if measured is None else projected_speedup(measured, gamma, c),
             "iid_tokens_per_round": iid,
             "iid_speedup": projected_speedup(iid, gamma, c),
         }
-    best = max(rows, key=lambda g: rows[g]["measured_speedup"], default=None)
+    measured_rows = [g for g in rows if rows[g]["measured_speedup"] is not None]
+    best = max(measured_rows, key=lambda g: rows[g]["measured_speedup"], default=None)
     best_iid = max(rows, key=lambda g: rows[g]["iid_speedup"], default=None)
     return {
         "cost_ratio": c,
