@@ -50,7 +50,10 @@ setup(
         "bitnest_mlx.models": "models",
         "bitnest_mlx.metal_kernels": "metal_kernels",
     },
-    package_data={"bitnest_mlx.metal_kernels": ["*.metal"]},
+    package_data={
+        "bitnest_mlx.metal_kernels": ["*.metal"],
+        "bitnest_mlx": ["demo_model/*"],  # the trained demo package (examples/train_demo.py)
+    },
     install_requires=[
         mlx,
         "mlx-lm>=0.32",

@@ -1,10 +1,12 @@
 """The embedded demos: built deterministically on first use, no network.
 
-bitnest package (`demo_path`): a byte-level BPE tokenizer (256 bytes + <|endoftext|>) and a
-2-layer Llama whose embedding is one-hot and whose lm_head holds byte-bigram log-probabilities of
-the text below; the decoder layers are small random weights (R4 with K = 12 included). So the
-default command prints English-looking text, and draft (W4) and target (W8) visibly differ. It is
-a format and runtime demo, not a language model.
+bitnest package (`demo_path`, `--model demo`): the package trained by examples/train_demo.py
+(a small Llama on Debian's license texts, converted with bitnest_mlx.convert) when it ships in
+`demo_model/` beside this file. Until it does, a stand-in is built in the cache: a byte-level
+BPE tokenizer (256 bytes + <|endoftext|>) and a 2-layer Llama whose embedding is one-hot and
+whose lm_head holds byte-bigram log-probabilities of the text below; the decoder layers are small
+random weights (R4 with K = 12 included). The stand-in is a format and runtime demo, not a
+language model.
 
 DeepSeek-V4 bundle (`demo_bundle_path`): TINY_CONFIG with every feature of the family on (hash
 layers, ratios 0/4/128, an active indexer, mixed 2/4-bit experts) and random weights, which the
@@ -150,8 +152,15 @@ def _build_demo(out: Path) -> None:
     write_package(out, weights, config, name="bitnest-demo", source_model="bitnest_mlx.demo")
 
 
+# Where examples/train_demo.py writes the trained demo; setup.py ships it as package data.
+SHIPPED_DEMO = Path(__file__).resolve().parent / "demo_model"
+
+
 def demo_path() -> Path:
-    """The demo package directory, built offline on first use."""
+    """The demo package directory: the trained one when shipped, else the stand-in (built
+    offline on first use)."""
+    if (SHIPPED_DEMO / "bitnest.json").is_file():
+        return SHIPPED_DEMO
     return cached_build(f"demo-v{VERSION}", _build_demo)
 
 
