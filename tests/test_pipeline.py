@@ -23,6 +23,7 @@ from bitnest_mlx import load
 from bitnest_mlx.cli import generate
 from bitnest_mlx.demo import demo_bundle_path
 from bitnest_mlx.layers.pipeline import PipelineStage
+from bitnest_mlx.loader import PipelineError
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 120
@@ -104,6 +105,12 @@ def test_stage_split_follows_mlx_lm():
     assert (PipelineStage.of(Group(0, 2), 6, [4, 2]).start, PipelineStage.whole(6).end) == (2, 6)
     with pytest.raises(ValueError, match="every rank runs at least one layer"):
         PipelineStage.of(Group(0, 2), 6, [6, 0])
+
+
+def test_formats_without_stages_refuse_a_pipeline(tmp_path):
+    """A bitnest package (here: any directory that is not a bundle) is refused before loading."""
+    with pytest.raises(PipelineError, match="cannot be split"):
+        load(tmp_path, pipeline=object())
 
 
 def test_two_ranks_match_one_process(ring, bundle, tmp_path):
