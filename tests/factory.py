@@ -122,11 +122,23 @@ def save_tensors(pkg: Path, tensors: dict[str, mx.array], file: str = "model.saf
     mx.save_safetensors(str(pkg / file), tensors, metadata={"format": "mlx"})
 
 
+def reseal(pkg: Path) -> None:
+    """Recompute the package's checksums after a deliberate edit (when it has them), so that the
+    edited package is judged by the rule the edit breaks, or loads as the variant it makes; the
+    checksums themselves are tested in test_fuzz_formats.py."""
+    try:
+        if bitnest.CHECKSUMS_KEY in read_json(pkg, bitnest.find_manifest(pkg).name):
+            bitnest.seal(pkg)
+    except (bitnest.PackageError, ValueError):
+        pass  # an edit that breaks the manifest itself: nothing to re-seal
+
+
 def edit_tensors(pkg: Path, edit: Callable[[dict[str, mx.array]], None]) -> None:
     """Rewrite model.safetensors after `edit` mutates the name -> array dict in place."""
     tensors = load_tensors(pkg)
     edit(tensors)
     save_tensors(pkg, tensors)
+    reseal(pkg)
 
 
 def read_json(pkg: Path, file: str) -> dict:
@@ -138,6 +150,7 @@ def edit_json(pkg: Path, file: str, edit: Callable[[dict], None]) -> None:
     data = read_json(pkg, file)
     edit(data)
     (pkg / file).write_text(json.dumps(data, indent=2, ensure_ascii=False), encoding="utf-8")
+    reseal(pkg)
 
 
 def shard(pkg: Path, n_shards: int = 2) -> dict[str, str]:

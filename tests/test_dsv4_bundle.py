@@ -43,12 +43,14 @@ def _edit(path, fn) -> None:
     tensors = dict(mx.load(str(f)))
     fn(tensors)
     mx.save_safetensors(str(f), tensors)
+    dsv4_bundle_write.seal(path)  # judged by the rule the edit breaks (checksums: fuzz test)
 
 
 def _edit_config(path, fn) -> None:
     config = json.loads((path / "config.json").read_text())
     fn(config)
     (path / "config.json").write_text(json.dumps(config))
+    dsv4_bundle_write.seal(path)
 
 
 def _logits(model, tokens=TOKENS) -> np.ndarray:

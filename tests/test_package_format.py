@@ -270,6 +270,7 @@ def test_without_config_dims_are_derived_from_the_manifest_with_a_warning(
 ):
     pkg = copy_package(built[arch][0], tmp_path / arch)
     (pkg / "config.json").unlink()
+    bitnest.seal(pkg)  # a deliberate variant (a package written without config.json)
     with pytest.warns(UserWarning, match="no config.json"):
         package = bitnest.read(pkg)
     source = built[arch][2]
@@ -297,6 +298,7 @@ def test_without_config_the_package_loads_and_runs_like_with_it(tmp_path):
     )
     without = copy_package(with_config, tmp_path / "no-config")
     (without / "config.json").unlink()
+    bitnest.seal(without)
     tokens = mx.array([[72, 101, 108, 108, 111]])
     model, _ = bitnest_mlx.load(with_config, dtype=mx.float32)
     expected = model(tokens)

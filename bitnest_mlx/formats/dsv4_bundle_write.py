@@ -14,8 +14,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from . import mxtq
-from .dsv4_bundle import INDEX_FILE, plan_key, schedule, stored_expert_name
+from . import checksums, mxtq
+from .dsv4_bundle import CHECKSUMS_KEY, INDEX_FILE, plan_key, schedule, stored_expert_name
 
 # Passthrough tensors jang keeps in float32 (the rest of the passthrough class goes to float16).
 _F32_PASSTHROUGH = re.compile(r"(hc_|attn_sink|\.ape$|gate\.bias$)")
@@ -93,12 +93,15 @@ def write(
             "bits_used": sorted(set(plan.values())),
             "assignment": plan,
         }
+    files = _write_shards(path, out, shards)
+    # config.json last: it records the checksums of the shards and of itself.
+    checksums.make_block(config, CHECKSUMS_KEY, files, {})
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    _write_shards(path, out, shards)
     return path
 
 
-def _write_shards(path: Path, tensors: dict[str, np.ndarray], shards: int) -> None:
+def _write_shards(path: Path, tensors: dict[str, np.ndarray], shards: int) -> list[Path]:
+    """The safetensors files (and index) of `tensors`; returns the files."""
     # jang's rebundler writes the stacked expert groups first; keep that order.
     keys = sorted(tensors, key=lambda k: (".switch_mlp." not in k, k))
     shards = max(1, min(shards, len(keys)))
@@ -108,16 +111,35 @@ def _write_shards(path: Path, tensors: dict[str, np.ndarray], shards: int) -> No
             {k: mx.array(tensors[k]) for k in keys},
             metadata={"format": "mlx"},
         )
-        return
-    weight_map, total = {}, 0
+        return [path / "model.safetensors"]
+    weight_map, total, files = {}, 0, []
     for i, chunk in enumerate(np.array_split(np.array(keys, dtype=object), shards)):
         fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         arrays = {k: mx.array(tensors[k]) for k in chunk}
         mx.save_safetensors(str(path / fname), arrays, metadata={"format": "mlx"})
+        files.append(path / fname)
         weight_map.update({k: fname for k in chunk})
         total += sum(a.nbytes for a in arrays.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return files
 
 
-__all__ = ["write"]
+def seal(path: str | Path) -> Path:
+    """Recompute a bundle's checksums after a deliberate edit of its config or tensors (the
+    files named by the index, else every *.safetensors); checks nothing else."""
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = [path / f for f in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    config.pop(CHECKSUMS_KEY, None)
+    checksums.make_block(config, CHECKSUMS_KEY, files, {})
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+__all__ = ["seal", "write"]

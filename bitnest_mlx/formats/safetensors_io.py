@@ -10,6 +10,17 @@ from pathlib import Path
 import mlx.core as mx
 
 
+class FormatError(ValueError):
+    """A file that breaks its format's rules (base of PackageError and BundleError).
+
+    The message is one line, which the faces print as it is: whatever it quotes from a broken
+    file (a key with a newline in it, a parser's own multi-line text) is joined with spaces.
+    """
+
+    def __init__(self, message: object = "") -> None:
+        super().__init__(" ".join(str(message).splitlines()))
+
+
 def read_json(f: Path, error: type[Exception]) -> dict:
     try:
         data = json.loads(f.read_text(encoding="utf-8"))

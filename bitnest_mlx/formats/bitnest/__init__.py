@@ -9,6 +9,7 @@ from . import writer
 from .files import find_manifest, is_package, read_tensors
 from .layout import (
     ARCHS,
+    CHECKSUMS_KEY,
     DEFAULT_EPS,
     FORMAT,
     INDEX_NAME,
@@ -39,9 +40,11 @@ from .numerics import (
 )
 from .reader import Package, derive_config, read
 from .spec import PackageSpec
+from .writer import seal
 
 __all__ = [
     "ARCHS",
+    "CHECKSUMS_KEY",
     "DEFAULT_EPS",
     "FORMAT",
     "GROUP_SIZE",
@@ -72,6 +75,7 @@ __all__ = [
     "quantize_planes",
     "read",
     "read_tensors",
+    "seal",
     "unpack_nibbles",
     "weight_scales",
     "writer",

@@ -51,7 +51,7 @@ def read_json(f: Path) -> dict:
     return safetensors_io.read_json(f, PackageError)
 
 
-def _safetensors_files(path: Path) -> tuple[list[Path], Path | None, dict | None]:
+def safetensors_files(path: Path) -> tuple[list[Path], Path | None, dict | None]:
     """(files, index file or None, the index's weight_map or None)."""
     index = path / INDEX_NAME
     single = path / "model.safetensors"
@@ -80,7 +80,7 @@ def _safetensors_files(path: Path) -> tuple[list[Path], Path | None, dict | None
 def read_tensors(path: Path) -> dict[str, tuple[Path, mx.array]]:
     """All tensors of a package, each with the file it came from."""
     path = Path(path)
-    files, index, weight_map = _safetensors_files(path)
+    files, index, weight_map = safetensors_files(path)
     out: dict[str, tuple[Path, mx.array]] = {}
     for f in files:
         arrays = safetensors_io.load_safetensors(f, PackageError)

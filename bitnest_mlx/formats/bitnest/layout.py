@@ -5,6 +5,8 @@ Shared by the reader and the writer. Spec: docs/bitnest-package.md.
 
 from __future__ import annotations
 
+from ..safetensors_io import FormatError
+
 FORMAT = "bitnest-package-v1"
 MANIFEST_NAMES = ("bitnest.json", "manifest.json")
 INDEX_NAME = "model.safetensors.index.json"
@@ -29,12 +31,14 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 DEFAULT_EPS = {"llama": 1e-5, "qwen2": 1e-6}
+# The manifest's optional integrity block (docs/bitnest-package.md §2.6, formats/checksums.py).
+CHECKSUMS_KEY = "checksums"
 # The manifest's `norms` block: `smoothing` is interpreted (§2.5); the others are descriptive
 # (the seed manifest's). A key outside this list may change the function, so it is refused.
 NORMS_KEYS = ("fused", "decoder_norms_identity", "note", "smoothing")
 
 
-class PackageError(ValueError):
+class PackageError(FormatError):
     """A package that breaks bitnest-package-v1; the message names file, tensor, expectation."""
 
 

@@ -14,10 +14,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .. import checksums
 from ..hadamard import is_power_of_two
 from .files import find_manifest, read_json, read_tensors
 from .layout import (
     ARCHS,
+    CHECKSUMS_KEY,
     DEFAULT_EPS,
     FORMAT,
     INDEX_NAME,
@@ -133,6 +135,11 @@ def _check_manifest(manifest: dict, f: Path) -> None:
     for block in ("kv", "online_hadamard", "activation", "rope", "norms"):
         if block in manifest and not isinstance(manifest[block], dict):
             raise PackageError(f"{f}: {block} is {manifest[block]!r}, expected an object")
+    groups = manifest.get("activation", {}).get("per_layer_group", {})
+    if not isinstance(groups, dict):
+        raise PackageError(
+            f"{f}: activation.per_layer_group is {groups!r}, expected an object (Linear -> group)"
+        )
     # `norms` is interpreted since the smoothing extension (§2.5): a key this reader does not know
     # might change the function, so it is refused rather than ignored.
     for key, value in manifest.get("norms", {}).items():
@@ -190,8 +197,9 @@ def _load_config(path: Path, manifest: dict, manifest_file: Path) -> dict:
     head_dim = config.get("head_dim")
     if head_dim is None and isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
         head_dim = hidden // heads
-    if not isinstance(head_dim, int) or head_dim <= 0:
+    if not _positive(head_dim, int):
         raise PackageError(f"{f}: expected head_dim, or hidden_size and num_attention_heads")
+    config["head_dim"] = head_dim  # null, like a missing key, means hidden_size / heads
     if config.get("num_key_value_heads") is None:  # HF default: no grouped-query attention
         config["num_key_value_heads"] = heads
     # Head counts follow from the q/k output widths once head_dim is known.
@@ -237,6 +245,20 @@ def _check_config_values(config: dict, manifest: dict, f: Path, manifest_file: P
                 f"{f}: {ours} = {config[ours]!r} but {manifest_file.name} rope.{theirs} = "
                 f"{rope[theirs]!r}; expected the two to agree"
             )
+
+
+def _check_o_proj_group(manifest: dict, config: dict, f: Path) -> None:
+    """The o_proj A8 group (the one entry of per_layer_group the forward reads, §3.2): -1 (per
+    token) or a positive divisor of the o_proj input width."""
+    key = "model.layers.0.self_attn.o_proj"
+    group = manifest.get("activation", {}).get("per_layer_group", {}).get(key)
+    width = config["num_attention_heads"] * config["head_dim"]
+    valid = group == -1 or _positive(group, int) and width % group == 0
+    if group is not None and not (valid and isinstance(group, int)):
+        raise PackageError(
+            f"{f}: activation.per_layer_group {key} = {group!r}, expected -1 or a positive "
+            f"divisor of the o_proj input width {width}"
+        )
 
 
 def _check_linears(manifest: dict, config: dict, f: Path, dims_from: str) -> dict:
@@ -388,6 +410,7 @@ def read(path: str | Path) -> Package:
     has_config = (path / "config.json").is_file()
     dims_from = "config.json" if has_config else f"the layer-0 shapes in {manifest_file.name}"
     linears = _check_linears(manifest, config, manifest_file, dims_from)
+    _check_o_proj_group(manifest, config, manifest_file)
     had_k = _had_k_needed(manifest, config, manifest_file)
 
     index = path / INDEX_NAME
@@ -437,5 +460,16 @@ def read(path: str | Path) -> Package:
             )
         raise _fail(f, name, "unexpected tensor (not part of bitnest-package-v1)")
 
+    # Last, so that a broken file is refused with the rule it breaks; the checksums decide only
+    # about a package that is valid but not the one written (§2.6).
+    config_file = path / "config.json"
+    checksums.verify(
+        manifest,
+        manifest_file,
+        CHECKSUMS_KEY,
+        {name: f for name, (f, _) in tensors.found.items()},
+        {"config.json": (config_file, read_json(config_file) if has_config else None)},
+        PackageError,
+    )
     spec = PackageSpec.from_package(manifest, config)
     return Package(path, manifest, config, spec, {k: a for k, (_, a) in tensors.found.items()})

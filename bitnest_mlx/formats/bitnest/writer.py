@@ -13,7 +13,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .. import checksums
+from .files import find_manifest, read_json, safetensors_files
 from .layout import (
+    CHECKSUMS_KEY,
     DEFAULT_EPS,
     FORMAT,
     LAYER_LINEARS,
@@ -208,7 +211,6 @@ def write(
     )
     if notes is not None:
         manifest["conversion"] = notes
-    (out / "bitnest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     package_config = {
         "model_type": "bitnest",
         "arch": arch,
@@ -229,8 +231,33 @@ def write(
         if config.get(key) is not None:
             package_config[key] = config[key]
     (out / "config.json").write_text(json.dumps(package_config, indent=2) + "\n")
+    _write_manifest(out / "bitnest.json", manifest, [out / "model.safetensors"], package_config)
     if tokenizer_dir is not None:
         for fname in TOKENIZER_FILES:
             if (Path(tokenizer_dir) / fname).is_file():
                 shutil.copy(Path(tokenizer_dir) / fname, out / fname)
     return out
+
+
+def _write_manifest(f: Path, manifest: dict, files: list[Path], config: dict | None) -> None:
+    """The manifest with its checksum block (docs/bitnest-package.md §2.6): every tensor of
+    `files`, config.json's content when there is one, and the manifest itself."""
+    manifest.pop(CHECKSUMS_KEY, None)
+    json_docs = {"config.json": config} if config is not None else {}
+    checksums.make_block(manifest, CHECKSUMS_KEY, files, json_docs)
+    f.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+
+
+def seal(path: str | Path) -> Path:
+    """Recompute a package's checksums after a deliberate edit of its files (a hand-edited
+    manifest value, re-saved tensors): from then on the edited package is the one that loads.
+
+    Checks nothing else; `read` still validates every rule.
+    """
+    path = Path(path)
+    manifest_file = find_manifest(path)
+    config_file = path / "config.json"
+    config = read_json(config_file) if config_file.is_file() else None
+    files, _, _ = safetensors_files(path)
+    _write_manifest(manifest_file, read_json(manifest_file), files, config)
+    return path
