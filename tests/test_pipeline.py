@@ -26,7 +26,9 @@ from bitnest_mlx.layers.pipeline import PipelineStage
 from bitnest_mlx.loader import PipelineError
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT = 120
+# A launch takes ~25 s on an idle 2-core box; the bound turns a deadlock into a failure, with room
+# for a loaded machine (a starved rank waits on its peer).
+TIMEOUT = 240
 PROBE = (
     "import mlx.core as mx; g = mx.distributed.init(strict=True, backend='ring'); "
     "assert mx.distributed.all_sum(mx.array(1.0), group=g).item() == g.size() == 2"
