@@ -26,9 +26,20 @@ class PipelineError(ValueError):
     """A pipeline (`load(..., pipeline=group)`) asked of a format that cannot be split."""
 
 
+class ExpertBudgetError(ValueError):
+    """An expert memory budget asked of a format (or a pipeline) that cannot keep experts on
+    disk."""
+
+
 # What a load raises for input it refuses: one line naming file, tensor and expectation, which
 # the faces print as it is.
-LOAD_ERRORS = (bitnest.PackageError, dsv4_bundle.BundleError, HubError, PipelineError)
+LOAD_ERRORS = (
+    bitnest.PackageError,
+    dsv4_bundle.BundleError,
+    HubError,
+    PipelineError,
+    ExpertBudgetError,
+)
 
 
 def has_tokenizer(path: str | Path) -> bool:
@@ -89,6 +100,15 @@ def _dsv4_model(path: Path, dtype: mx.Dtype | None) -> nn.Module:
     return model
 
 
+def _dsv4_budgeted(path: Path, dtype: mx.Dtype | None, max_expert_memory: float) -> nn.Module:
+    from . import dsv4
+
+    bundle = dsv4_bundle.read(path)
+    model = dsv4.build_model(bundle, dtype or mx.float32, max_expert_memory=max_expert_memory)
+    mx.eval(model.parameters())
+    return model
+
+
 def _dsv4_stage(path: Path, dtype: mx.Dtype | None, group: mx.distributed.Group) -> nn.Module:
     from . import dsv4
 
@@ -111,11 +131,15 @@ class ModelFormat:
     load_tokenizer: Callable[[Path], object]  # mlx-lm TokenizerWrapper, or None without files
     # This rank's share of a pipeline over a group (None: the format cannot be split).
     load_stage: Callable[[Path, mx.Dtype | None, mx.distributed.Group], nn.Module] | None = None
+    # With routed experts on disk and an LRU of that many GB (None: no routed experts).
+    load_budgeted: Callable[[Path, mx.Dtype | None, float], nn.Module] | None = None
 
 
 FORMATS = {
     "bitnest": ModelFormat("bitnest", _bitnest_class, _bitnest_model, _bitnest_tokenizer),
-    "dsv4": ModelFormat("dsv4", _dsv4_class, _dsv4_model, _dsv4_tokenizer, _dsv4_stage),
+    "dsv4": ModelFormat(
+        "dsv4", _dsv4_class, _dsv4_model, _dsv4_tokenizer, _dsv4_stage, _dsv4_budgeted
+    ),
 }
 
 
@@ -141,6 +165,7 @@ def load(
     dtype: mx.Dtype | None = None,
     options: RunOptions | None = None,
     pipeline: mx.distributed.Group | None = None,
+    max_expert_memory: float | None = None,
 ) -> tuple[nn.Module, object]:
     """Load a bitnest package or a DeepSeek-V4 MXTQ bundle (local directory or Hub
     `org/repo[@revision]`).
@@ -153,10 +178,19 @@ def load(
     `pipeline`: split the layers over the group's ranks (mlx-lm's pipeline convention,
     layers/pipeline.py); this rank loads and runs its share only, and every rank returns the
     same logits. Launch one process per rank (`mlx.launch`, docs/deepseek-v4.md).
+
+    `max_expert_memory`: GB of routed-expert codes to keep resident (DeepSeek-V4 bundles); the
+    rest stay on disk and the most recently used are cached (`model.expert_store`). Logits are
+    the same as without a budget.
     """
     path = resolve(path_or_repo)
     fmt = model_format(path)
-    if pipeline is None:
+    if max_expert_memory is not None:
+        if fmt.load_budgeted is None or pipeline is not None:
+            what = "a pipeline" if pipeline is not None else f"a {fmt.name} model"
+            raise ExpertBudgetError(f"{path}: {what} cannot keep its experts on disk")
+        model = fmt.load_budgeted(path, dtype, max_expert_memory)
+    elif pipeline is None:
         model = fmt.load_model(path, dtype)
     elif fmt.load_stage is None:
         raise PipelineError(f"{path}: a {fmt.name} model cannot be split into a pipeline")

@@ -26,6 +26,7 @@ RANKS = {
     "roofline": 4,  # bytes per token: the draft-KV policy and the speed model
     "loader": 4,
     "dsv4": 4,
+    "dsv4_bench": 4,  # DeepSeek-V4 memory, bytes and per-part timing for bench
     "demo": 4,
     "mlx_lm_plugin": 5,  # faces
     "cli": 5,

@@ -20,9 +20,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
-from .. import kernels, speculative
+from .. import dsv4_bench, kernels, speculative
 from ..demo import CORPUS, DEMO, resolve_model
-from ..loader import LOAD_ERRORS, load
+from ..hub import resolve
+from ..loader import LOAD_ERRORS, load, supports_draft
 from ..roofline import CHIPS as CHIPS  # re-exported: the bench's face of the roofline
 from ..roofline import resolve_draft_kv, roofline
 from ..sampling import make_sampler
@@ -92,6 +93,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=non_negative_int, default=0, help="random seed (>= 0)")
     add_draft_kv(p)
     p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm peer baseline")
+    p.add_argument(
+        "--max-expert-memory",
+        type=non_negative_float,
+        metavar="GB",
+        help="DeepSeek-V4: keep routed experts on disk with an LRU of this many GB",
+    )
+    p.add_argument(
+        "--peer-experts",
+        type=positive_int,
+        default=32,
+        help="DeepSeek-V4: experts per stack in the MXTQ vs mlx-lm SwitchGLU comparison",
+    )
+    p.add_argument(
+        "--parts", action="store_true", help="DeepSeek-V4: time one decode step by model part"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -157,6 +173,8 @@ def mlx_lm_peer(args, bits: int, dtype: mx.Dtype) -> nn.Module:
 
 def bench_prompt(tokenizer, n: int, vocab: int) -> mx.array:
     """`n` tokens of English text (repeated as needed), so acceptance is realistic."""
+    if tokenizer is None:  # a bundle without tokenizer files (synthetic): any ids will do
+        return mx.array([2 + i % (vocab - 2) for i in range(n)], dtype=mx.uint32)
     ids = [t for t in tokenizer.encode(" ".join(CORPUS.split())) if t < vocab]
     return mx.array((ids * (n // max(len(ids), 1) + 1))[:n], dtype=mx.uint32)
 
@@ -164,12 +182,16 @@ def bench_prompt(tokenizer, n: int, vocab: int) -> mx.array:
 def run(args: argparse.Namespace) -> dict:
     mx.random.seed(args.seed)
     model_path = str(resolve_model(args.model))
-    model, tokenizer = load(model_path)
+    memory = None
+    if not supports_draft(resolve(model_path)):
+        # Before this process loads anything: a second resident copy would not fit a big bundle.
+        memory = dsv4_bench.memory_probe(resolve(model_path), args.max_expert_memory)
+    model, tokenizer = load(model_path, max_expert_memory=args.max_expert_memory)
     a = model.args
     prompt = bench_prompt(tokenizer, args.prompt_tokens, a.vocab_size)
     n, rep = args.gen_tokens, args.repeats
     if not model.supports_draft:
-        return run_single_precision(model, str(model_path), prompt, args)
+        return run_single_precision(model, str(model_path), prompt, args, memory)
     dtype = model.embed_tokens.weight.dtype
     sampler = make_sampler(args.temp)
     context = prompt.size + n
@@ -292,8 +314,13 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def run_single_precision(model: nn.Module, name: str, prompt: mx.array, args) -> dict:
-    """Models with one precision (DeepSeek-V4 MXTQ bundles): prefill and decode tok/s only."""
+def run_single_precision(
+    model: nn.Module, name: str, prompt: mx.array, args, memory: dict | None = None
+) -> dict:
+    """Models with one precision (DeepSeek-V4 MXTQ bundles): prefill and decode tok/s, peak
+    RSS of load + one decode step (`memory`), weight bytes per token, the expert store's hit
+    rate and disk bytes per token, a per-part decode timing and (unless --no-mlx-lm) the
+    routed experts beside mlx-lm's SwitchGLU (bitnest_mlx/dsv4_bench.py)."""
     n, rep = args.gen_tokens, args.repeats
     sampler = mlx_lm_make_sampler(args.temp)
     pp = _best(lambda: measure_prefill(model, prompt), rep, "tps")
@@ -312,6 +339,13 @@ def run_single_precision(model: nn.Module, name: str, prompt: mx.array, args) ->
         "prompt_tps": pp["tps"],
         "generation_tps": gen["tps"],
         "peak_memory_gb": {"prompt": pp["peak_memory_gb"], "generation": gen["peak_memory_gb"]},
+        "memory": memory,
+        "decode_bytes_per_token": dsv4_bench.decode_bytes(model),
+        "decode": dsv4_bench.decode_run(model, prompt, n),
+        "parts": dsv4_bench.part_times(model, context=prompt.size) if args.parts else None,
+        "experts_vs_mlx_lm": None
+        if args.no_mlx_lm
+        else dsv4_bench.expert_peers(model, experts=args.peer_experts),
     }
 
 
@@ -322,7 +356,7 @@ def report(r: dict) -> str:
             f"{r['settings']['prompt_tokens']} tokens: {r['prompt_tps']:.1f} tok/s | generation "
             f"{r['settings']['gen_tokens']} tokens: {r['generation_tps']:.1f} tok/s | peak memory "
             f"{max(r['peak_memory_gb'].values()):.3f} GB"
-        )
+        ) + dsv4_bench.report(r)
     s, roof, cfg = r["speculative"], r["roofline"], r["settings"]
     lines = [
         f"model: {r['model']} ({r['backend']}, {r['dtype']}), prompt {cfg['prompt_tokens']}"

@@ -110,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="split the model's layers over the ranks of an mx.distributed group (run one "
         "process per rank with mlx.launch; DeepSeek-V4 bundles); only rank 0 prints",
     )
+    p.add_argument(
+        "--max-expert-memory",
+        type=non_negative_float,
+        metavar="GB",
+        help="DeepSeek-V4: keep routed experts on disk and the most recently used in an LRU of "
+        "this many GB (same output, less memory)",
+    )
     return p
 
 
@@ -132,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tic = time.perf_counter()
         mode = "draft" if args.mode == "draft" else "target"
-        model, tokenizer = load(model_path, mode=mode, pipeline=group)
+        model, tokenizer = load(
+            model_path, mode=mode, pipeline=group, max_expert_memory=args.max_expert_memory
+        )
         load_s = time.perf_counter() - tic
     except LOAD_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)

@@ -140,6 +140,34 @@ class MXTQSwitchLinear(_MXTQBase):
         super().__init__(in_features, out_features, bits, seed, lead=(num_experts,))
         self.num_experts = num_experts
         self.max_dequant_bytes = max_dequant_bytes
+        self._store = self._source = None  # set by use_store
+
+    def use_store(self, store, source) -> None:
+        """Read routed experts' codes through `store` (layers/expert_store.py: an LRU over the
+        bundle's files, `source` says where this stack lives) instead of holding the stack;
+        `tq_packed` stops being a parameter. The norms stay resident."""
+        self._store, self._source = store, source
+        del self.tq_packed
+
+    def _routed(self, indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """(codes, norms, ids): stacks holding the routed experts and the ids into them.
+
+        Resident: the whole stacks and `indices`. With a store: the distinct routed experts,
+        read through it, and `indices` renumbered into them; `codes[ids]` then holds the same
+        values as the resident `tq_packed[indices]`, so results are bit-identical."""
+        if self._store is None:
+            return self.tq_packed, self.tq_norms, indices
+        ids = np.array(indices)  # host sync: which experts to read depends on the routing
+        experts, local = np.unique(ids, return_inverse=True)
+        codes = self._store.fetch(self._source, experts.tolist())
+        local = mx.array(local.reshape(ids.shape).astype(np.uint32))
+        return codes, self.tq_norms[mx.array(experts.astype(np.uint32))], local
+
+    def _codes_of(self, experts: np.ndarray) -> mx.array:
+        """The codes of `experts` (host ids, ascending), stacked."""
+        if self._store is None:
+            return self.tq_packed[mx.array(experts)]
+        return self._store.fetch(self._source, experts.tolist())
 
     @classmethod
     def from_weight(cls, w: MXTQWeight, seed: int = DEFAULT_SEED, **kwargs) -> MXTQSwitchLinear:
@@ -165,8 +193,9 @@ class MXTQSwitchLinear(_MXTQBase):
             and kernels.use("mxtq_gather", gather_self_test)
         ):
             kernels.record("mxtq_gather", "kernel")
+            codes, norms, ids = self._routed(indices)
             y = kernels.mxtq_gather_matvec(
-                x_rot[..., 0, :], indices, self.tq_packed, self.tq_norms, self._codebook, self.bits
+                x_rot[..., 0, :], ids, codes, norms, self._codebook, self.bits
             )
             return y[..., None, :]
         return self._pure_apply(x_rot, indices)
@@ -174,9 +203,10 @@ class MXTQSwitchLinear(_MXTQBase):
     def _pure_apply(self, x_rot: mx.array, indices: mx.array) -> mx.array:
         batch = tuple(np.broadcast_shapes(x_rot.shape[:-2], indices.shape))
         if math.prod(batch) * self._expert_bytes <= self.max_dequant_bytes:
-            y = self._matvec(x_rot, self.tq_packed[indices])
-        else:
-            y = self._grouped(x_rot, mx.broadcast_to(indices, batch), batch)
+            codes, norms, ids = self._routed(indices)
+            y = self._matvec(x_rot, codes[ids])
+            return y * norms[ids].astype(mx.float32)[..., None, :]
+        y = self._grouped(x_rot, mx.broadcast_to(indices, batch), batch)
         return y * self.tq_norms[indices].astype(mx.float32)[..., None, :]
 
     def _grouped(self, x_rot: mx.array, indices: mx.array, batch: tuple) -> mx.array:
@@ -191,7 +221,7 @@ class MXTQSwitchLinear(_MXTQBase):
         for g in range(0, experts.size, per_group):
             group = experts[g : g + per_group]
             slot = order[starts[g] : ends[g + group.size - 1]]
-            w = self._rotated_rows(self.tq_packed[mx.array(group)])
+            w = self._rotated_rows(self._codes_of(group))
             local = mx.array(np.searchsorted(group, ids[slot]).astype(np.uint32))
             parts.append(
                 mx.gather_mm(
