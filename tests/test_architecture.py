@@ -29,6 +29,7 @@ RANKS = {
     "dsv4_bench": 4,  # DeepSeek-V4 memory, bytes and per-part timing for bench
     "demo": 4,
     "mlx_lm_plugin": 5,  # faces
+    "mlx_lm_speculation": 5,  # mlx-lm's speculative contract, for the plugin
     "cli": 5,
     "generate": 5,
     "eval": 5,
