@@ -154,7 +154,7 @@ def main() -> None:
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache/bitnest_mlx/realmodel")
     p.add_argument("--quick", action="store_true", help="256 tokens per text (smoke run)")
     p.add_argument("--window", type=int, default=512)
-    p.add_argument("--packages", help=f"';'-separated subset of {list(PACKAGES)}")
+    p.add_argument("--packages", help=f"';'-separated subset of {list(PACKAGES)}, or none")
     p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm baselines")
     p.add_argument(
         "--fresh",
@@ -174,7 +174,9 @@ def main() -> None:
     texts = {k: license_text(k) for k in TEXTS}
     limits = {k: 256 if args.quick else v for k, v in TEXTS.items()}
 
-    packages = {k: PACKAGES[k] for k in args.packages.split(";")} if args.packages else PACKAGES
+    packages = PACKAGES
+    if args.packages:
+        packages = {k: PACKAGES[k] for k in args.packages.split(";") if k != "none"}
     for label, (directory, options) in packages.items():
         out = args.cache / directory
         if not (out / "bitnest.json").is_file():
@@ -245,9 +247,15 @@ def main() -> None:
                 )
             )
             print(rows[-1], flush=True)
+    source = None
+    if tok is None:  # no package: the GGUF's own tokenizer, the one every package carries
+        from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+        with tempfile.TemporaryDirectory() as tmp:
+            source = load_gguf(gguf, Path(tmp))
+            tok = load_tokenizer(Path(source.tokenizer_dir))
     tokens = {n: tok.encode(t)[: limits[n]] for n, t in texts.items()}
     key = hashlib.sha256((SHA256 + json.dumps(settings)).encode()).hexdigest()
-    source = None
     for suffix, basis in () if args.no_mlx_lm else BASES.items():
         argmax8 = None
         for bits, group in ((None, 0),) * (basis == "source") + ((8, 128), (4, 128), (4, 64)):
