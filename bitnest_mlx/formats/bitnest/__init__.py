@@ -22,6 +22,7 @@ from .layout import (
     norm_names,
     norm_readers,
 )
+from .manifest import derive_config
 from .numerics import (
     GROUP_SIZE,
     KV_GROUPS,
@@ -38,7 +39,7 @@ from .numerics import (
     unpack_nibbles,
     weight_scales,
 )
-from .reader import Package, derive_config, read
+from .reader import Package, read
 from .spec import PackageSpec
 from .writer import seal
 
