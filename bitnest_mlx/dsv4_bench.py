@@ -232,11 +232,13 @@ def _random_mxtq(d: int, h: int, e: int, bits: tuple[int, int, int], seed: int):
 
 
 def _random_switch_glu(d: int, h: int, e: int, bits: int, seed: int):
-    """mlx-lm's SwitchGLU quantized (affine, group 64) with random codes, never float weights."""
+    """mlx-lm's SwitchGLU quantized (affine, group 64, or 32 where a tiny width needs it) with
+    random codes, never float weights."""
     from mlx_lm.models.switch_layers import SwitchGLU
 
     glu = SwitchGLU(d, h, e)
-    nn.quantize(glu, group_size=64, bits=bits)  # lazy: the float init is never evaluated
+    group = 64 if d % 64 == 0 and h % 64 == 0 else 32
+    nn.quantize(glu, group_size=group, bits=bits)  # lazy: the float init is never evaluated
     keys = mx.random.split(mx.random.key(seed), 3)
     for key, proj in zip(keys, (glu.gate_proj, glu.up_proj, glu.down_proj)):
         proj.weight = mx.random.randint(0, 2**31, proj.weight.shape, key=key).astype(mx.uint32)
