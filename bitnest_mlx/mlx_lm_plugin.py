@@ -309,7 +309,9 @@ def patch_server(server: ModuleType) -> None:
         def __init__(self, cli_args, *args, **kwargs):
             orig_init(self, cli_args, *args, **kwargs)
             model = getattr(cli_args, "model", None)
-            if model is not None and _local_format(split_draft(model)[0]) is not None:
+            # Subclasses (bitnest-server's provider) load on their own terms.
+            stock = type(self) is provider
+            if stock and model is not None and _local_format(split_draft(model)[0]) is not None:
                 self.load_default()
 
         provider.__init__ = __init__
