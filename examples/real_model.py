@@ -43,6 +43,7 @@ from bitnest_mlx.convert import convert, fold_norms
 from bitnest_mlx.convert.rotation import rotate
 from bitnest_mlx.convert.sources import Source, load_gguf
 from bitnest_mlx.evaluation import evaluate, window_nll, windows
+from bitnest_mlx.loader import model_format
 
 SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 GGUF = "qwen2.5-coder-0.5b-instruct.gguf"
@@ -232,8 +233,8 @@ def main() -> None:
             }
 
         res = cached(label, key, score)
-        if tok is None:
-            tok = bitnest_mlx.load(args.cache / directory)[1]
+        if tok is None:  # the tokenizer alone: no second load of the package's weights
+            tok = model_format(args.cache / directory).load_tokenizer(args.cache / directory)
         for mode in ("float", "target", "draft"):
             rows.append(
                 (
