@@ -1,16 +1,14 @@
-"""The embedded demos: built deterministically on first use, no network.
+"""The embedded demos, offline.
 
-bitnest package (`demo_path`, `--model demo`): the package trained by examples/train_demo.py
-(a small Llama on Debian's license texts, converted with bitnest_mlx.convert) when it ships in
-`demo_model/` beside this file. Until it does, a stand-in is built in the cache: a byte-level
-BPE tokenizer (256 bytes + <|endoftext|>) and a 2-layer Llama whose embedding is one-hot and
-whose lm_head holds byte-bigram log-probabilities of the text below; the decoder layers are small
-random weights (R4 with K = 12 included). The stand-in is a format and runtime demo, not a
-language model.
+bitnest package (`demo_path`, `--model demo`): `demo_model/` beside this file, a small Llama
+trained from scratch on Debian's license texts and converted with bitnest_mlx.convert by
+examples/train_demo.py (which rebuilds it bit for bit on the CPU backend). It ships with the
+package (setup.py's package_data).
 
 DeepSeek-V4 bundle (`demo_bundle_path`): TINY_CONFIG with every feature of the family on (hash
 layers, ratios 0/4/128, an active indexer, mixed 2/4-bit experts) and random weights, which the
-DSV4 tests share. Both demos only write formats; nothing here imports a model.
+DSV4 tests share; built into the cache on first use. `write_tokenizer` is the byte-level
+tokenizer tiny packages use (tests, docs). Nothing here imports a model.
 """
 
 from __future__ import annotations
@@ -24,22 +22,6 @@ import numpy as np
 
 from .formats import dsv4_bundle, dsv4_bundle_write
 from .formats.dsv4_bundle import Slot
-
-VERSION = 1
-CORPUS = """\
-The river runs slowly past the old mill, and in the evening the light falls across the water
-like a sheet of copper. People walk along the bank with their dogs, and children throw stones to
-see how far they can skip. In the spring the water rises and the meadow floods, and the birds come
-back from the south to build their nests in the reeds. There is a small bridge made of stone where
-the road crosses the river, and a bench beside it where the older people of the village sit and
-talk about the weather, the price of bread and the news from the town. When the sun goes down the
-wind turns cold, the lamps are lit in the windows, and the smell of wood smoke drifts over the
-houses. Somebody is always baking, somebody is always late, and somebody always says that the
-winter will be hard this year. The mill has not turned for many years, but the wheel is still there,
-green with moss, and on quiet nights you can hear the water moving under it as if it remembered
-the work it used to do. A good story is like that river: it keeps moving, it carries small things
-along with it, and it is never quite the same when you come back to it the next day.
-"""
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -78,50 +60,6 @@ def write_tokenizer(out: Path) -> int:
     return 257
 
 
-def demo_weights(vocab: int, seed: int = 0) -> tuple[dict[str, np.ndarray], dict]:
-    d, inter, n_layers = 384, 768, 2
-    config = {
-        "model_type": "llama",
-        "hidden_size": d,
-        "intermediate_size": inter,
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": 3,
-        "num_key_value_heads": 1,
-        "head_dim": 128,
-        "vocab_size": vocab,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 2048,
-        "eos_token_id": 256,
-    }
-    data = np.frombuffer(" ".join(CORPUS.split()).encode(), dtype=np.uint8)
-    counts = np.full((vocab, vocab), 0.01)
-    np.add.at(counts, (data[:-1], data[1:]), 1.0)
-    logp = np.maximum(np.log(counts / counts.sum(1, keepdims=True)), -10.0)
-    logp[:, np.bincount(data, minlength=vocab) == 0] = -40.0  # bytes the text never uses
-    rng = np.random.default_rng(seed)
-    w = {"model.embed_tokens.weight": np.eye(vocab, d)}
-    head = np.zeros((vocab, d))
-    head[:, :vocab] = logp.T / np.sqrt(d)  # rms_norm(e_t) = sqrt(d) e_t, so logits = logp[t, :]
-    w["lm_head.weight"] = head
-    w["model.norm.weight"] = np.ones(d)
-    for i in range(n_layers):
-        p = f"model.layers.{i}."
-        for name, shape, std in (
-            ("self_attn.q_proj", (384, d), 0.02),
-            ("self_attn.k_proj", (128, d), 0.02),
-            ("self_attn.v_proj", (128, d), 0.02),
-            ("self_attn.o_proj", (d, 384), 0.002),
-            ("mlp.gate_proj", (inter, d), 0.02),
-            ("mlp.up_proj", (inter, d), 0.02),
-            ("mlp.down_proj", (d, inter), 0.002),
-        ):
-            w[f"{p}{name}.weight"] = rng.normal(0, std, shape)
-        w[p + "input_layernorm.weight"] = np.ones(d)
-        w[p + "post_attention_layernorm.weight"] = np.ones(d)
-    return {k: v.astype(np.float32) for k, v in w.items()}, config
-
-
 def cache_dir() -> Path:
     root = os.environ.get("BITNEST_MLX_CACHE") or Path.home() / ".cache" / "bitnest_mlx"
     return Path(root)
@@ -145,23 +83,18 @@ def cached_build(name: str, build: Callable[[Path], None]) -> Path:
     return target
 
 
-def _build_demo(out: Path) -> None:
-    weights, config = demo_weights(write_tokenizer(out))
-    from .convert.package import write_package
-
-    write_package(out, weights, config, name="bitnest-demo", source_model="bitnest_mlx.demo")
-
-
 # Where examples/train_demo.py writes the trained demo; setup.py ships it as package data.
 SHIPPED_DEMO = Path(__file__).resolve().parent / "demo_model"
 
 
 def demo_path() -> Path:
-    """The demo package directory: the trained one when shipped, else the stand-in (built
-    offline on first use)."""
-    if (SHIPPED_DEMO / "bitnest.json").is_file():
-        return SHIPPED_DEMO
-    return cached_build(f"demo-v{VERSION}", _build_demo)
+    """The demo package directory (shipped with bitnest_mlx)."""
+    if not (SHIPPED_DEMO / "bitnest.json").is_file():
+        raise FileNotFoundError(
+            f"{SHIPPED_DEMO}: the demo package is missing from this installation "
+            "(rebuild it with: python examples/train_demo.py)"
+        )
+    return SHIPPED_DEMO
 
 
 DEMO = "demo"  # the name `--model demo` accepts for the demo package

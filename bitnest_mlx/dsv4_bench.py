@@ -35,7 +35,7 @@ from .models import deepseek_v4 as dsv4_model
 from .models import deepseek_v4_attention as dsv4_attention
 
 
-def _rss_bytes() -> int:
+def peak_rss_bytes() -> int:
     # ru_maxrss is KiB on Linux, bytes on macOS.
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
@@ -67,12 +67,12 @@ def _probe(path: str, max_expert_memory: float | None) -> None:
     """The child of `memory_probe`: load, one decode step, print peak RSS as JSON."""
     from .loader import load
 
-    before = _rss_bytes()
+    before = peak_rss_bytes()
     model, _ = load(path, max_expert_memory=max_expert_memory)
-    loaded = _rss_bytes()
+    loaded = peak_rss_bytes()
     cache = model.make_cache()
     mx.eval(model(mx.array([[2]]), cache))
-    print(json.dumps({"rss_after_imports": before, "rss_after_load": loaded, "peak": _rss_bytes()}))
+    print(json.dumps({"rss_after_imports": before, "rss_after_load": loaded, "peak": peak_rss_bytes()}))
 
 
 def memory_probe(path: str | Path, max_expert_memory: float | None = None) -> dict:

@@ -17,13 +17,10 @@ import mlx.nn as nn
 from .formats import bitnest, detect, dsv4_bundle
 from .hub import HubError, resolve
 from .layers.options import RunOptions
+from .layers.pipeline import PipelineError
 
 # Any of these makes a directory loadable by AutoTokenizer.
 TOKENIZER_DEFINING = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
-
-
-class PipelineError(ValueError):
-    """A pipeline (`load(..., pipeline=group)`) asked of a format that cannot be split."""
 
 
 class ExpertBudgetError(ValueError):

@@ -29,3 +29,27 @@ for run in ("resident", "budget"):
     print(run, json.dumps({k: r[k] for k in ("memory", "decode", "decode_bytes_per_token",
                                               "parts", "experts_vs_mlx_lm") if k in r}, indent=1))
 PY
+
+# 4. Two pipeline ranks on 127.0.0.1 (ring backend): each loads its half of the layers; greedy
+#    tokens and last logits against one process, resident weights and peak RSS per rank.
+mkdir -p "$OUT.pipeline"
+mlx.launch --backend ring -n 2 -- "$PY" tests/pipeline_worker.py "$OUT" "$OUT.pipeline"
+$PY - "$OUT" <<'PY'
+import json, sys
+import numpy as np
+sys.path.insert(0, "tests")
+from pipeline_worker import greedy, parameter_bytes
+from bitnest_mlx import load
+from bitnest_mlx.dsv4_bench import peak_rss_bytes
+out = sys.argv[1]
+model, _ = load(out)
+tokens, logits = greedy(model)
+whole = parameter_bytes(model)
+print("single process:", tokens, f"parameter GB {whole / 1e9:.3f}, peak RSS GB {peak_rss_bytes() / 1e9:.3f}")
+for r in range(2):
+    rep = json.load(open(f"{out}.pipeline/rank{r}.json"))
+    diff = float(np.abs(np.load(f"{out}.pipeline/rank{r}.npy") - logits).max())
+    print(f"rank {r}: layers {rep['layers']} tokens {rep['tokens']} same={rep['tokens'] == tokens} "
+          f"max|dlogits| {diff:.2e} parameter GB {rep['parameter_bytes'] / 1e9:.3f} "
+          f"({rep['parameter_bytes'] / whole:.2f} of one process) peak RSS GB {rep['peak_rss_bytes'] / 1e9:.3f}")
+PY

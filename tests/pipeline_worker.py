@@ -1,8 +1,9 @@
 """One rank of tests/test_pipeline.py: load a pipeline stage, decode greedily, write the results.
 
 Run as `python tests/pipeline_worker.py BUNDLE OUT` with the ring backend's environment
-(MLX_RANK, MLX_HOSTFILE). Writes OUT/rank<r>.json (tokens, parameter bytes, active memory after
-loading) and OUT/rank<r>.npy (the last step's logits). `greedy` is also the single-process
+(MLX_RANK, MLX_HOSTFILE), or under `mlx.launch` (examples/dsv4_real_size.sh). Writes
+OUT/rank<r>.json (tokens, parameter bytes, active memory after loading, peak RSS) and
+OUT/rank<r>.npy (the last step's logits). `greedy` is also the single-process
 reference the test runs in its own process.
 """
 
@@ -42,6 +43,7 @@ def parameter_bytes(model) -> int:
 
 def main(bundle: str, out: str) -> None:
     from bitnest_mlx import load
+    from bitnest_mlx.dsv4_bench import peak_rss_bytes
 
     group = mx.distributed.init(strict=True, backend="ring")
     mx.reset_peak_memory()
@@ -58,6 +60,7 @@ def main(bundle: str, out: str) -> None:
         "tokens": tokens,
         "parameter_bytes": parameter_bytes(model),
         "active_bytes_after_load": loaded,
+        "peak_rss_bytes": peak_rss_bytes(),
     }
     (Path(out) / f"rank{r}.json").write_text(json.dumps(report))
 

@@ -135,7 +135,7 @@ def test_models_endpoint_lists_the_model_offline_without_a_hub_cache(server):
 # --------------------------------------------------------------------------------------------
 # Bad requests
 
-TOO_LONG = "x" * 3000  # the demo's context is 2048 tokens; its tokenizer is byte-level
+TOO_LONG = " x" * 3000  # the demo's context is 2048 tokens; each " x" is at least one token
 
 BAD = {
     "bad JSON": (b'{"messages": [', 400),

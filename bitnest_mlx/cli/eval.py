@@ -225,14 +225,22 @@ def report(r: dict) -> str:
             f"= {speed['cost_ratio']:.3f}"
         )
         for g, s in speed["gammas"].items():
+            measured = s["measured_speedup"]  # None without sampled runs (--gen-tokens 0)
             lines.append(
-                f"  gamma {g}: measured {s['measured_speedup']:.3f}x, "
-                f"i.i.d. (alpha {speed['alpha']:.3f}) {s['iid_speedup']:.3f}x"
+                f"  gamma {g}: "
+                + (f"measured {measured:.3f}x, " if measured is not None else "")
+                + f"i.i.d. (alpha {speed['alpha']:.3f}) {s['iid_speedup']:.3f}x"
             )
-        lines.append(
-            f"  best: gamma {speed['best_gamma']}, {speed['best_speedup']:.3f}x target-only "
-            f"(i.i.d.: gamma {speed['best_gamma_iid']}, {speed['best_speedup_iid']:.3f}x)"
-        )
+        if speed["best_speedup"] is not None:
+            lines.append(
+                f"  best: gamma {speed['best_gamma']}, {speed['best_speedup']:.3f}x target-only "
+                f"(i.i.d.: gamma {speed['best_gamma_iid']}, {speed['best_speedup_iid']:.3f}x)"
+            )
+        else:
+            lines.append(
+                f"  best (i.i.d.): gamma {speed['best_gamma_iid']}, "
+                f"{speed['best_speedup_iid']:.3f}x target-only"
+            )
     return "\n".join(lines)
 
 

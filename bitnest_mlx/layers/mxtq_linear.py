@@ -228,6 +228,9 @@ class MXTQSwitchLinear(_MXTQBase):
                     xs[mx.array(slot)], w.swapaxes(-1, -2), rhs_indices=local, sorted_indices=True
                 )
             )
+            # Evaluated group by group: built lazily, every group's float expansion would be
+            # alive at once (GBs at real size), not max_dequant_bytes.
+            mx.eval(parts[-1])
         y = mx.concatenate(parts)[mx.array(np.argsort(order))]
         return y.reshape(*batch, m, self.out_features)
 

@@ -19,6 +19,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 
+class PipelineError(ValueError):
+    """A pipeline that cannot be formed: a format that cannot be split, or a split that leaves a
+    rank without layers."""
+
+
 @dataclass(frozen=True)
 class PipelineStage:
     """Layers [start, end) of a model run on rank `rank` of `group` (None: not split)."""
@@ -44,7 +49,7 @@ class PipelineStage:
             base, extra = divmod(num_layers, size)
             split = [base + (r < extra) for r in range(size)]
         if len(split) != size or min(split) < 1 or sum(split) != num_layers:
-            raise ValueError(
+            raise PipelineError(
                 f"pipeline split {split}: need {size} positive counts summing to {num_layers} "
                 "layers (every rank runs at least one layer)"
             )
@@ -76,4 +81,4 @@ class PipelineStage:
         return mx.distributed.all_gather(x, group=self.group)[: x.shape[0]]
 
 
-__all__ = ["PipelineStage"]
+__all__ = ["PipelineError", "PipelineStage"]
