@@ -72,7 +72,11 @@ def _probe(path: str, max_expert_memory: float | None) -> None:
     loaded = peak_rss_bytes()
     cache = model.make_cache()
     mx.eval(model(mx.array([[2]]), cache))
-    print(json.dumps({"rss_after_imports": before, "rss_after_load": loaded, "peak": peak_rss_bytes()}))
+    print(
+        json.dumps(
+            {"rss_after_imports": before, "rss_after_load": loaded, "peak": peak_rss_bytes()}
+        )
+    )
 
 
 def memory_probe(path: str | Path, max_expert_memory: float | None = None) -> dict:
