@@ -84,13 +84,30 @@ def greedy(model, tokenizer, prompt: str, n: int, **kw) -> str:
 @pytest.mark.skipif(not LICENSES.is_dir(), reason="the training corpus is Debian's licenses")
 def test_greedy_text_is_made_of_the_corpus_words(demo):
     model, tokenizer = demo
-    known = set(re.findall(r"[a-z]+", " ".join(p.read_text() for p in LICENSES.iterdir()).lower()))
+    known = corpus_words()
     model.mode = "target"
     text = greedy(model, tokenizer, "The", 48, num_draft_tokens=0)
     words = [w.strip(".,;:()\"'") for w in text.split()]
     english = [w for w in words if w.isalpha() and w.lower() in known]
     assert len(words) >= 12, text
     assert len(english) >= 0.8 * len(words), text
+
+
+def corpus_words() -> set[str]:
+    return set(re.findall(r"[a-z]+", " ".join(p.read_text() for p in LICENSES.iterdir()).lower()))
+
+
+@trained
+@pytest.mark.skipif(not LICENSES.is_dir(), reason="the training corpus is Debian's licenses")
+def test_generate_with_no_flags_prints_english_words(capsys):
+    """The README's first command: the demo, speculative, temp 0.8, seed 0, 100 tokens."""
+    from bitnest_mlx.cli import generate
+
+    assert generate.main([]) == 0
+    words = re.findall(r"[A-Za-z]+", capsys.readouterr().out)
+    known = corpus_words()
+    assert len(words) >= 40, words
+    assert sum(w.lower() in known for w in words) >= 0.8 * len(words), words
 
 
 @trained
