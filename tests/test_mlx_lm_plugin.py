@@ -3,6 +3,7 @@ prompt cache, and self-speculation through `--draft-model PATH#draft` (shared-ca
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -79,9 +80,11 @@ def test_mlx_lm_load_builds_bitnest_model_with_manifest_fields(mlx_lm, package):
     model, tokenizer, config = mlx_lm.load(package, return_config=True)
     assert isinstance(model, Model) and model.mode == "target"
     assert "quantization" not in config
-    # R4 with K = 12 on every down_proj comes from bitnest.json, not config.json.
-    assert [r["K"] for r in model.args.r4] == [12, 12]
-    assert model.layers[0].mlp.r4.k == 12
+    # R4's K on every down_proj comes from bitnest.json, not config.json.
+    manifest = json.loads((Path(package) / "bitnest.json").read_text())
+    ks = [entry["K"] for entry in manifest["online_hadamard"]["layers"].values()]
+    assert len(ks) == len(model.layers) and [r["K"] for r in model.args.r4] == ks
+    assert [layer.mlp.r4.k for layer in model.layers] == ks
 
 
 def test_draft_marker_returns_view_over_the_same_arrays(mlx_lm, package):
