@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="python -m bitnest_mlx.generate",
         description="Generate text with a bitnest package. Without --model (or with --model "
-        "demo) the embedded demo package is built (offline, once) and used.",
+        "demo) it uses the demo package shipped with bitnest_mlx: a small Llama trained on "
+        "Debian's license texts (offline).",
     )
     p.add_argument(
         "--model",
