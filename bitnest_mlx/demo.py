@@ -2,7 +2,7 @@
 
 bitnest package (`demo_path`, `--model demo`): `demo_model/` beside this file, a small Llama
 trained from scratch on Debian's license texts and converted with bitnest_mlx.convert by
-examples/train_demo.py (which rebuilds it bit for bit on the CPU backend). It ships with the
+examples/train_demo.py (deterministic on the CPU backend; docs/generate.md). It ships with the
 package (setup.py's package_data).
 
 DeepSeek-V4 bundle (`demo_bundle_path`): TINY_CONFIG with every feature of the family on (hash
