@@ -13,6 +13,7 @@ import pytest
 
 import bitnest_mlx
 from bitnest_mlx.demo import SHIPPED_DEMO, demo_path, resolve_model
+from bitnest_mlx.evaluation import window_nll
 
 # The Artistic License 1.0's preamble: English of the training text's kind, but from the one
 # license examples/train_demo.py holds out, so the model never saw it.
@@ -49,10 +50,8 @@ def test_shipped_demo_fits_in_a_wheel():
 
 def perplexity(model, tokenizer, text: str, mode: str) -> float:
     ids = tokenizer.encode(text)
-    logits = model(mx.array([ids]), options=bitnest_mlx.RunOptions(mode=mode))[0, :-1]
-    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    nll = -mx.take_along_axis(logp, mx.array(ids[1:])[:, None], axis=-1).mean()
-    return math.exp(nll.item())
+    logits = model(mx.array([ids]), options=bitnest_mlx.RunOptions(mode=mode))[0]
+    return math.exp(window_nll(logits, ids) / (len(ids) - 1))
 
 
 def unigram_perplexity(tokenizer, text: str, vocab: int) -> float:
