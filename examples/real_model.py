@@ -85,6 +85,8 @@ PACKAGES = {  # label: (package directory, convert() options beside the defaults
     # The λ sweep beyond the budget (a fixed λ for every Linear): the draft/target trade.
     "joint λ=16+hadamard": ("pkg-joint-l16", {"lambda_draft": 16.0}),
     "joint λ=32+hadamard": ("pkg-joint-l32", {"lambda_draft": 32.0}),
+    # Four times the calibration tokens: is the 8 k-token Hessian what bounds the draft?
+    "joint, 32k calib+hadamard": ("pkg-joint-c32k", {"calib_tokens": 32768}),
     "gptq+hadamard": ("pkg-gptq-hadamard", {"method": "gptq"}),
     "rtn+hadamard": ("pkg-rtn-hadamard", {"method": "rtn"}),
     "rtn, no rotation": ("pkg-rtn-none", {"method": "rtn", "rotate_kind": "none"}),

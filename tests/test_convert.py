@@ -315,3 +315,35 @@ def test_gptq_residual_recovers_w8_accuracy_lost_to_saturation():
         return np.linalg.norm(x @ (w - w8).T)
 
     assert err(comp) < 0.9 * err(rtn)  # measured 0.84 here; no residual can undo all of it
+
+
+class _WordTokenizer:
+    """One id per whitespace-separated word: fewer tokens than any subword tokenizer gives."""
+
+    def encode(self, text: str) -> list[int]:
+        return [len(word) for word in text.split()]
+
+
+def test_calibration_text_shorter_than_asked_warns_with_its_name_and_counts(tmp_path):
+    from bitnest_mlx.convert.calib import calibration_tokens
+
+    short = tmp_path / "short.txt"
+    short.write_text("word " * 300)
+    with pytest.warns(UserWarning, match=r"short\.txt has 300 tokens.*1024.*calibrating on 256"):
+        tokens = calibration_tokens(_WordTokenizer(), short, 1024, 128)
+    assert tokens.shape == (2, 128)
+
+
+def test_builtin_corpus_holds_the_converters_default_calibration_tokens():
+    import inspect
+    import warnings
+
+    from bitnest_mlx.convert import convert
+    from bitnest_mlx.convert.calib import calibration_tokens
+
+    default = inspect.signature(convert).parameters["calib_tokens"].default
+    seq_len = inspect.signature(convert).parameters["calib_seq_len"].default
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tokens = calibration_tokens(_WordTokenizer(), None, default, seq_len)
+    assert tokens.size == default
