@@ -81,13 +81,13 @@ def fetch(cache: Path) -> Path:
 
 DEFAULT = "joint+hadamard (default)"
 PACKAGES = {  # label: (package directory, convert() options beside the defaults)
-    DEFAULT: ("pkg-joint", {}),
-    # The λ sweep beyond the budget (a fixed λ for every Linear): the draft/target trade.
-    "joint λ=16+hadamard": ("pkg-joint-l16", {"lambda_draft": 16.0}),
-    "joint λ=32+hadamard": ("pkg-joint-l32", {"lambda_draft": 32.0}),
-    # Four times the calibration tokens: is the 8 k-token Hessian what bounds the draft?
-    "joint, 32k calib+hadamard": ("pkg-joint-c32k", {"calib_tokens": 32768}),
-    "gptq+hadamard": ("pkg-gptq-hadamard", {"method": "gptq"}),
+    DEFAULT: ("pkg-joint-c32k", {}),
+    # The same with the earlier 8 k calibration tokens (the default until 2026-12-04).
+    "joint, 8k calib+hadamard": ("pkg-joint", {"calib_tokens": 8192}),
+    # The λ sweep beyond the budget (a fixed λ for every Linear), on 8 k calibration tokens.
+    "joint λ=16+hadamard": ("pkg-joint-l16", {"lambda_draft": 16.0, "calib_tokens": 8192}),
+    "joint λ=32+hadamard": ("pkg-joint-l32", {"lambda_draft": 32.0, "calib_tokens": 8192}),
+    "gptq+hadamard": ("pkg-gptq-hadamard", {"method": "gptq", "calib_tokens": 8192}),
     "rtn+hadamard": ("pkg-rtn-hadamard", {"method": "rtn"}),
     "rtn, no rotation": ("pkg-rtn-none", {"method": "rtn", "rotate_kind": "none"}),
 }

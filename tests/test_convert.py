@@ -317,6 +317,24 @@ def test_gptq_residual_recovers_w8_accuracy_lost_to_saturation():
     assert err(comp) < 0.9 * err(rtn)  # measured 0.84 here; no residual can undo all of it
 
 
+def test_convert_warns_when_calibration_tokens_leave_the_widest_hessian_singular(tmp_path):
+    from bitnest_mlx.convert import convert
+    from bitnest_mlx.demo import write_tokenizer
+
+    tiny_hf("llama").save_pretrained(tmp_path / "hf")  # intermediate_size 384
+    write_tokenizer(tmp_path / "hf")
+    with pytest.warns(UserWarning, match=r"256 calibration tokens .* widest Linear input \(384\)"):
+        convert(
+            out=tmp_path / "pkg",
+            hf_path=tmp_path / "hf",
+            method="gptq",
+            calib_tokens=256,
+            calib_seq_len=64,
+            scratch=tmp_path,
+        )
+    assert (tmp_path / "pkg" / "bitnest.json").is_file()  # a warning, not a refusal
+
+
 class _WordTokenizer:
     """One id per whitespace-separated word: fewer tokens than any subword tokenizer gives."""
 

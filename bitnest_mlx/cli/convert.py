@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from ..convert import convert
+from ..convert.calib import CALIB_TOKENS
 from ..convert.joint import W8_BUDGET
 from ..convert.rotation import ROTATIONS
 from ..formats.bitnest import KV_GROUPS
@@ -87,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--calib-tokens",
         type=positive_int,
-        default=8192,
-        help="calibration tokens for GPTQ (>= 1; default %(default)s)",
+        default=CALIB_TOKENS,
+        help="calibration tokens for the joint and gptq methods (>= 1; default %(default)s): "
+        "more than the widest Linear input (intermediate_size), or its Hessian is singular",
     )
     p.add_argument(
         "--calib-seq-len",

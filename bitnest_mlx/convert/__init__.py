@@ -7,6 +7,7 @@ The package is written into a hidden sibling of `out` and renamed into place at 
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ from tqdm import tqdm
 
 from ..formats.bitnest import Planes, planes_from_codes
 from ..formats.hadamard import hadamard_k, split_k
-from .calib import calibration_tokens
+from .calib import CALIB_TOKENS, calibration_tokens
 from .gptq import SequentialGPTQ
 from .joint import W8_BUDGET
 from .output import OutputError, atomic_directory, check_output
@@ -39,7 +40,7 @@ def convert(
     method: str = "joint",
     rotate_kind: str = "hadamard",
     seed: int = 0,
-    calib_tokens: int = 8192,
+    calib_tokens: int = CALIB_TOKENS,
     calib_seq_len: int = 256,
     damp: float = 0.01,
     lo_method: str = "gptq",
@@ -82,6 +83,14 @@ def convert(
             tokens = calibration_tokens(
                 _tokenizer(source.tokenizer_dir), calib, calib_tokens, calib_seq_len
             )
+            widest = max(config["hidden_size"], config["intermediate_size"])
+            if tokens.size < widest:
+                warnings.warn(
+                    f"{tokens.size} calibration tokens are fewer than the widest Linear input "
+                    f"({widest}): its Hessian is singular and only damping keeps GPTQ stable; "
+                    f"give --calib-tokens above {widest}",
+                    stacklevel=2,
+                )
         smoothing = smoothing_vectors(weights, config, tokens) if smooth else None
         vectors = (smoothing.vectors or None) if smoothing is not None else None
 

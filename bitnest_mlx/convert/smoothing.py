@@ -25,6 +25,7 @@ import numpy as np
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..formats.bitnest import a8, dequantize_planes, norm_readers, quantize_planes
+from .calib import CALIB_TOKENS
 from .package import _rope_params
 
 DEFAULT_ALPHAS = (0.0, 0.25, 0.5)
@@ -240,7 +241,7 @@ def measure(
     *,
     gguf: str | Path | None = None,
     calib: str | Path | None = None,
-    calib_tokens: int = 8192,
+    calib_tokens: int = CALIB_TOKENS,
     calib_seq_len: int = 256,
     rotate_kind: str = "hadamard",
     seed: int = 0,
