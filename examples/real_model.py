@@ -80,14 +80,14 @@ def fetch(cache: Path) -> Path:
 
 
 DEFAULT = "joint+hadamard (default)"
+CALIB_8K = {"calib_tokens": 8192}  # the converter's default until 2026-12-04
 PACKAGES = {  # label: (package directory, convert() options beside the defaults)
     DEFAULT: ("pkg-joint-c32k", {}),
-    # The same with the earlier 8 k calibration tokens (the default until 2026-12-04).
-    "joint, 8k calib+hadamard": ("pkg-joint", {"calib_tokens": 8192}),
+    "joint, 8k calib+hadamard": ("pkg-joint", CALIB_8K),
     # The λ sweep beyond the budget (a fixed λ for every Linear), on 8 k calibration tokens.
-    "joint λ=16+hadamard": ("pkg-joint-l16", {"lambda_draft": 16.0, "calib_tokens": 8192}),
-    "joint λ=32+hadamard": ("pkg-joint-l32", {"lambda_draft": 32.0, "calib_tokens": 8192}),
-    "gptq+hadamard": ("pkg-gptq-hadamard", {"method": "gptq", "calib_tokens": 8192}),
+    "joint λ=16+hadamard": ("pkg-joint-l16", {"lambda_draft": 16.0, **CALIB_8K}),
+    "joint λ=32+hadamard": ("pkg-joint-l32", {"lambda_draft": 32.0, **CALIB_8K}),
+    "gptq+hadamard": ("pkg-gptq-hadamard", {"method": "gptq", **CALIB_8K}),
     "rtn+hadamard": ("pkg-rtn-hadamard", {"method": "rtn"}),
     "rtn, no rotation": ("pkg-rtn-none", {"method": "rtn", "rotate_kind": "none"}),
 }

@@ -84,7 +84,7 @@ def convert(
                 _tokenizer(source.tokenizer_dir), calib, calib_tokens, calib_seq_len
             )
             widest = max(config["hidden_size"], config["intermediate_size"])
-            if tokens.size < widest:
+            if method != "rtn" and tokens.size < widest:  # rtn + smooth: no Hessian
                 warnings.warn(
                     f"{tokens.size} calibration tokens are fewer than the widest Linear input "
                     f"({widest}): its Hessian is singular and only damping keeps GPTQ stable; "
