@@ -19,6 +19,7 @@ from .layout import (
     CHECKSUMS_KEY,
     DEFAULT_EPS,
     FORMAT,
+    INDEX_NAME,
     LAYER_LINEARS,
     TOKENIZER_FILES,
     PackageError,
@@ -26,6 +27,7 @@ from .layout import (
     norm_names,
 )
 from .numerics import GROUP_SIZE, Planes
+from .spec import PackageSpec
 
 
 def _manifest(
@@ -34,11 +36,11 @@ def _manifest(
     name: str,
     source: str | None,
     linears: dict,
-    lm_head: Planes,
     k: int,
     r3: bool,
     kv_group: int | None,
     smoothing: bool,
+    group_size: int = GROUP_SIZE,
 ) -> dict:
     n_layers, head_dim = config["num_hidden_layers"], config["head_dim"]
     per_layer_group = {
@@ -52,13 +54,14 @@ def _manifest(
         "arch": arch,
         "source_model": source,
         "rotation": None,
-        "group_size": GROUP_SIZE,
+        "group_size": group_size,
         "pack": "unsigned+8",
         "weight_planes": {
             "hi": "W4 code q4 in [-8,7] (RTN unless 'conversion' says otherwise), u = q4+8",
             "lo": "signed residual qr in [-8,7] (in [0,7] where q4 = -8), stored as u = qr+8",
             "byte_layout": "uint8 [N, K/2]: low nibble of byte j = column 2j, high = column 2j+1",
-            "draft": "W4 = (hi-8) * scale (scale fp16 [N,K/128], one group per 128 columns)",
+            "draft": f"W4 = (hi-8) * scale (scale fp16 [N,K/{group_size}], one group per "
+            f"{group_size} columns)",
             "target": "W8 = (16*(hi-8) + (lo-8)) * scale/16",
             "int8_code": "q8 = 16*q4 + qr in [-128,119]",
         },
@@ -97,13 +100,16 @@ def _manifest(
             "loader": "bitnest_mlx.formats.bitnest.dequantize_planes",
             "gpu_runner": "bitnest_mlx.generate",
         },
-        "lm_head_note": (
-            "lm_head is a dual plane (W4 + residual, gs128): draft reads W4, target W8, "
-            f"activations A8 per token; residual saturation {100 * lm_head.saturation:.4f}%, "
-            f"W8 max relative error {lm_head.w8_max_rel_err:.2e}, W4 relative Frobenius error "
-            f"{lm_head.w4_rel_fro_err:.3f}; final norm folded in"
-        ),
     }
+
+
+def _lm_head_note(lm_head: Planes) -> str:
+    return (
+        "lm_head is a dual plane (W4 + residual): draft reads W4, target W8, activations A8 per "
+        f"token; residual saturation {100 * lm_head.saturation:.4f}%, W8 max relative error "
+        f"{lm_head.w8_max_rel_err:.2e}, W4 relative Frobenius error "
+        f"{lm_head.w4_rel_fro_err:.3f}; final norm folded in"
+    )
 
 
 def _norms_block(smoothing: bool) -> dict:
@@ -142,75 +148,151 @@ def _norm_tensors(norms: dict[str, np.ndarray], config: dict) -> dict[str, mx.ar
     return out
 
 
-def write(
-    out_dir: str | Path,
-    config: dict,
-    planes: dict[str, Planes],
-    *,
-    biases: dict[str, np.ndarray],
-    embed: np.ndarray,
-    had_k: np.ndarray | None,
-    tokenizer_dir: str | Path | None = None,
-    name: str | None = None,
-    source_model: str | None = None,
-    notes: dict | None = None,
-    r3: bool = False,
-    kv_group: int | None = None,
-    norms: dict[str, np.ndarray] | None = None,
-) -> Path:
-    """Lay out a package: `planes` of every Linear (layers in order, lm_head last; down_proj with
-    R4 fused by `had_k`, or None when intermediate_size is a power of two), their `biases`, the
-    float `embed` (stored bf16) and an HF-style `config` with head_dim and rope keys resolved.
+class PackageWriter:
+    """Writes a package tensor by tensor: each tensor goes into the current shard, and a shard is
+    saved (and dropped from memory) once it holds `shard_bytes`, so a converter never holds more
+    than one shard of packed planes. `finish` names the shards (`model.safetensors`, or
+    `model-XXXXX-of-YYYYY.safetensors` + index), writes config.json, the manifest with its
+    checksums and the tokenizer files, and refuses a package missing any tensor.
 
-    `notes` (JSON-able) is recorded in the manifest as `conversion`; `r3` turns on the per-head
-    Hadamard of q and k before the KV cache and `kv_group` sets the KV scale group (default
-    head_dim). `norms` ({norm weight name: [D] positive}) stores smoothing vectors (§2.5): every
-    norm weight is written (ones where not given) and the manifest says `norms.smoothing: true`;
-    the Linears in `planes` must already have their columns divided by them.
+    The manifest is built up front from the config, so `spec` (what the runtime will read) is
+    known before any weight is quantized: a converter calibrates with the model the package
+    describes.
     """
-    arch = config["model_type"]
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, mx.array] = {}
-    linears: dict[str, dict] = {}
-    for lin, shape in linear_shapes(config).items():
-        p = planes[lin]
-        tensors[f"{lin}.hi"] = mx.array(p.hi)
-        tensors[f"{lin}.lo"] = mx.array(p.lo)
-        tensors[f"{lin}.scales"] = mx.array(p.scales)
-        bias = biases.get(lin)
-        if bias is not None:
-            tensors[f"{lin}.bias"] = mx.array(np.asarray(bias, dtype=np.float32))
-        linears[lin] = {
-            "shape": list(shape),
-            "groups": shape[1] // GROUP_SIZE,
-            "has_bias": bias is not None,
-        }
-    tensors["model.embed_tokens.weight"] = mx.array(np.asarray(embed, np.float32)).astype(
-        mx.bfloat16
-    )
-    tensors["model.norm.weight"] = mx.ones((config["hidden_size"],), dtype=mx.float32)
-    if norms is not None:
-        tensors.update(_norm_tensors(norms, config))
-    k = 1 if had_k is None else had_k.shape[0]
-    if had_k is not None:
-        tensors[f"aux.had_K.{k}"] = mx.array(had_k.astype(np.float32))
-    mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
 
-    manifest = _manifest(
-        config,
-        arch,
-        name or out.name,
-        source_model,
-        linears,
-        planes["lm_head"],
-        k,
-        r3,
-        kv_group,
-        smoothing=norms is not None,
-    )
-    if notes is not None:
-        manifest["conversion"] = notes
+    def __init__(
+        self,
+        out_dir: str | Path,
+        config: dict,
+        *,
+        biased: set[str] | frozenset[str] = frozenset(),
+        had_k: np.ndarray | None,
+        group_size: int = GROUP_SIZE,
+        tokenizer_dir: str | Path | None = None,
+        name: str | None = None,
+        source_model: str | None = None,
+        r3: bool = False,
+        kv_group: int | None = None,
+        smoothing: bool = False,
+        shard_bytes: int = 2 * 2**30,
+    ):
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.config, self.tokenizer_dir, self.shard_bytes = config, tokenizer_dir, shard_bytes
+        self.shapes = linear_shapes(config)
+        self.linears = {
+            lin: {
+                "shape": list(shape),
+                "groups": shape[1] // group_size,
+                "has_bias": lin in biased,
+            }
+            for lin, shape in self.shapes.items()
+        }
+        self.k = 1 if had_k is None else had_k.shape[0]
+        self.manifest = _manifest(
+            config,
+            config["model_type"],
+            name or self.out.name,
+            source_model,
+            self.linears,
+            self.k,
+            r3,
+            kv_group,
+            smoothing=smoothing,
+            group_size=group_size,
+        )
+        self.package_config = _package_config(config)
+        self.expected = {f"{lin}.{part}" for lin in self.shapes for part in ("hi", "lo", "scales")}
+        self.expected |= {f"{lin}.bias" for lin in biased}
+        self.expected |= {"model.embed_tokens.weight", "model.norm.weight"}
+        if smoothing:
+            self.expected |= set(norm_names(config["num_hidden_layers"]))
+        self._pending: dict[str, mx.array] = {}
+        self._pending_bytes = 0
+        self._shards: list[tuple[Path, list[str]]] = []
+        self._written: set[str] = set()
+        if had_k is not None:
+            self.add(f"aux.had_K.{self.k}", mx.array(had_k.astype(np.float32)))
+        if not smoothing:
+            self.add("model.norm.weight", mx.ones((config["hidden_size"],), dtype=mx.float32))
+
+    @property
+    def spec(self) -> PackageSpec:
+        """The model description a reader will derive from this package."""
+        return PackageSpec.from_package(self.manifest, self.package_config)
+
+    def add(self, name: str, array: mx.array | np.ndarray) -> None:
+        if name in self._written or name in self._pending:
+            raise PackageError(f"write: tensor {name} given twice")
+        a = array if isinstance(array, mx.array) else mx.array(array)
+        mx.eval(a)
+        self._pending[name] = a
+        self._pending_bytes += a.nbytes
+        if self._pending_bytes >= self.shard_bytes:
+            self._flush()
+
+    def add_linear(self, lin: str, planes: Planes, bias: np.ndarray | None = None) -> None:
+        """One Linear's planes (and bias), checked against the shapes the config implies."""
+        n, k = self.shapes[lin]
+        groups = self.linears[lin]["groups"]
+        for part, want in (("hi", (n, k // 2)), ("lo", (n, k // 2)), ("scales", (n, groups))):
+            got = tuple(np.shape(getattr(planes, part)))
+            if got != want:
+                raise PackageError(
+                    f"write: {lin}.{part} has shape {list(got)}; expected {list(want)}"
+                )
+        self.add(f"{lin}.hi", mx.array(planes.hi))
+        self.add(f"{lin}.lo", mx.array(planes.lo))
+        self.add(f"{lin}.scales", mx.array(planes.scales))
+        if bias is not None:
+            self.add(f"{lin}.bias", mx.array(np.asarray(bias, dtype=np.float32)))
+        if lin == "lm_head":
+            self.manifest["lm_head_note"] = _lm_head_note(planes)
+
+    def add_norms(self, norms: dict[str, np.ndarray]) -> None:
+        """Smoothing vectors (§2.5): every norm weight, ones where `norms` has none."""
+        for name, v in _norm_tensors(norms, self.config).items():
+            self.add(name, v)
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        f = self.out / f".shard-{len(self._shards):05d}.safetensors"
+        mx.save_safetensors(str(f), self._pending, metadata={"format": "mlx"})
+        self._shards.append((f, list(self._pending)))
+        self._written |= set(self._pending)
+        self._pending, self._pending_bytes = {}, 0
+
+    def finish(self, notes: dict | None = None) -> Path:
+        self._flush()
+        missing = sorted(self.expected - self._written)
+        if missing:
+            raise PackageError(f"write: tensor {missing[0]} was never given")
+        if len(self._shards) == 1:
+            files = [self.out / "model.safetensors"]
+            self._shards[0][0].rename(files[0])
+        else:
+            files, weight_map = [], {}
+            for i, (f, names) in enumerate(self._shards):
+                final = self.out / f"model-{i + 1:05d}-of-{len(self._shards):05d}.safetensors"
+                f.rename(final)
+                files.append(final)
+                weight_map.update(dict.fromkeys(names, final.name))
+            index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        if notes is not None:
+            self.manifest["conversion"] = notes
+        (self.out / "config.json").write_text(json.dumps(self.package_config, indent=2) + "\n")
+        _write_manifest(self.out / "bitnest.json", self.manifest, files, self.package_config)
+        if self.tokenizer_dir is not None:
+            for fname in TOKENIZER_FILES:
+                if (Path(self.tokenizer_dir) / fname).is_file():
+                    shutil.copy(Path(self.tokenizer_dir) / fname, self.out / fname)
+        return self.out
+
+
+def _package_config(config: dict) -> dict:
+    arch = config["model_type"]
     package_config = {
         "model_type": "bitnest",
         "arch": arch,
@@ -230,13 +312,69 @@ def write(
     for key in ("bos_token_id", "eos_token_id"):
         if config.get(key) is not None:
             package_config[key] = config[key]
-    (out / "config.json").write_text(json.dumps(package_config, indent=2) + "\n")
-    _write_manifest(out / "bitnest.json", manifest, [out / "model.safetensors"], package_config)
-    if tokenizer_dir is not None:
-        for fname in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / fname).is_file():
-                shutil.copy(Path(tokenizer_dir) / fname, out / fname)
-    return out
+    return package_config
+
+
+def write(
+    out_dir: str | Path,
+    config: dict,
+    planes: dict[str, Planes],
+    *,
+    biases: dict[str, np.ndarray],
+    embed: np.ndarray,
+    had_k: np.ndarray | None,
+    tokenizer_dir: str | Path | None = None,
+    name: str | None = None,
+    source_model: str | None = None,
+    notes: dict | None = None,
+    r3: bool = False,
+    kv_group: int | None = None,
+    norms: dict[str, np.ndarray] | None = None,
+    group_size: int | None = None,
+) -> Path:
+    """Lay out a package: `planes` of every Linear (layers in order, lm_head last; down_proj with
+    R4 fused by `had_k`, or None when intermediate_size is a power of two), their `biases`, the
+    float `embed` (stored bf16) and an HF-style `config` with head_dim and rope keys resolved.
+
+    `notes` (JSON-able) is recorded in the manifest as `conversion`; `r3` turns on the per-head
+    Hadamard of q and k before the KV cache and `kv_group` sets the KV scale group (default
+    head_dim). `norms` ({norm weight name: [D] positive}) stores smoothing vectors (§2.5): every
+    norm weight is written (ones where not given) and the manifest says `norms.smoothing: true`;
+    the Linears in `planes` must already have their columns divided by them. `group_size` is
+    the weight group (None: what the planes' scales imply; every Linear must agree).
+    """
+    shapes = linear_shapes(config)
+    if group_size is None:
+        implied = {
+            lin: shapes[lin][1] // max(np.shape(planes[lin].scales)[-1], 1) for lin in shapes
+        }
+        if len(set(implied.values())) != 1:
+            first, *rest = implied.items()
+            other = next(kv for kv in rest if kv[1] != first[1])
+            raise PackageError(
+                f"write: {first[0]} has group size {first[1]} but {other[0]} has {other[1]}; "
+                "expected one group size for every Linear"
+            )
+        group_size = next(iter(implied.values()))
+    w = PackageWriter(
+        out_dir,
+        config,
+        biased={lin for lin in shapes if biases.get(lin) is not None},
+        had_k=had_k,
+        group_size=group_size,
+        tokenizer_dir=tokenizer_dir,
+        name=name,
+        source_model=source_model,
+        r3=r3,
+        kv_group=kv_group,
+        smoothing=norms is not None,
+    )
+    for lin in shapes:
+        w.add_linear(lin, planes[lin], biases.get(lin))
+    w.add("model.embed_tokens.weight", mx.array(np.asarray(embed, np.float32)).astype(mx.bfloat16))
+    if norms is not None:
+        w.add_norms(norms)
+    return w.finish(notes)
 
 
 def _write_manifest(f: Path, manifest: dict, files: list[Path], config: dict | None) -> None:

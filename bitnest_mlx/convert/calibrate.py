@@ -1,0 +1,222 @@
+"""Calibration through the runtime's own forward: one decoder layer at a time, in chunks of
+sequences, with the layer's Linears swapped for float ones that record their inputs.
+
+The layer is the runtime's `TransformerBlock` (`models/bitnest_llama.py`), built from the same
+`PackageSpec` the package will be read with, so RoPE (incl. `llama3` scaling and transformers-5
+`rope_parameters`), biases, Qwen2's k-bias offset, R3, A8 and the online R4 all run as they run
+at generation time. Only the weights differ:
+
+- `hessians(i, weights)`: layer i with float weights (norms folded, rotated, R4 fused into
+  down_proj, as stored before quantization); each Linear's input, after A8 (GPTQ's X), is
+  accumulated into 2XᵀX/n chunk by chunk. q/k/v and gate/up read one input, so one Hessian each.
+- `advance(i, planes)`: the hidden states move through layer i as the draft runs it (the hi
+  planes, A8), which is what layer i + 1 will see; the KV cache is not quantized here.
+- `final_hessian()`: lm_head's input, the final norm of the quantized stack, A8.
+
+A chunk is `chunk_tokens` tokens (whole sequences), so memory holds the hidden states of the
+calibration set ([tokens, hidden] float32) plus one chunk's activations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..formats.bitnest import LAYER_LINEARS, PackageSpec, Planes, a8
+from ..layers.dual_plane import DualPlaneLinear
+from ..layers.nested_kv import NestedKVCache
+from ..layers.options import RunOptions
+
+# Linears whose input is another's: their Hessian is that one's.
+SHARED_INPUT = {
+    "self_attn.k_proj": "self_attn.q_proj",
+    "self_attn.v_proj": "self_attn.q_proj",
+    "mlp.up_proj": "mlp.gate_proj",
+}
+CHUNK_TOKENS = 4096
+
+_FLOAT = RunOptions(mode="target", quantize_kv=False, use_kernels=False)
+# The draft's reading; dense_min_rows=1: a dense matmul on the dequantized planes (MLX's CPU
+# quantized matmul has no blocked GEMM, and these are long teacher-forced passes).
+_DRAFT = RunOptions(mode="draft", quantize_kv=False, use_kernels=False, dense_min_rows=1)
+
+
+class HessianSum:
+    """2XᵀX/n over the rows fed to `add`, accumulated in float64 from float32 products."""
+
+    def __init__(self, k: int):
+        self.sum = np.zeros((k, k), dtype=np.float64)
+        self.rows = 0
+
+    def add(self, x: mx.array) -> None:
+        x2 = np.asarray(x.reshape(-1, x.shape[-1]).astype(mx.float32))
+        self.sum += x2.T @ x2  # numpy's BLAS takes Aᵀ·A as a symmetric rank-k update
+        self.rows += len(x2)
+
+    def value(self) -> np.ndarray:
+        return 2.0 * self.sum / max(self.rows, 1)
+
+
+class FloatLinear(DualPlaneLinear):
+    """A float weight in a DualPlaneLinear's place: `project` (A8, bias) treats it as a Linear
+    on the pure path, and `_pure` sees the input exactly as the planes would."""
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray | None, record: HessianSum | None):
+        nn.Module.__init__(self)
+        self.weight = mx.array(np.asarray(weight, np.float32))
+        if bias is not None:
+            self.bias = mx.array(np.asarray(bias, np.float32))
+        self._record = record
+
+    def _pure(self, x: mx.array, draft: bool, dense_min_rows: int = 0) -> mx.array:
+        if self._record is not None:
+            self._record.add(x)
+        return x @ self.weight.T
+
+
+def _block(spec: PackageSpec, layer: int) -> nn.Module:
+    from ..models import bitnest_llama
+
+    return bitnest_llama.TransformerBlock(bitnest_llama.ModelArgs.from_spec(spec), layer)
+
+
+def _set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
+    parent, attr = name.split(".")
+    setattr(getattr(block, parent), attr, module)
+
+
+class Calibration:
+    """Hidden states of the calibration tokens [n_seq, seq_len] through the package's layers.
+
+    `embed` [V, D] is the embedding as the package stores it (rotated, bf16), `had_k` the R4
+    factor the package ships (None when K = 1), `norms` the smoothing vectors stored as norm
+    weights ({norm weight name: d}; empty: weightless norms).
+    """
+
+    def __init__(
+        self,
+        spec: PackageSpec,
+        embed: mx.array,
+        tokens: np.ndarray,
+        had_k: np.ndarray | None = None,
+        norms: Mapping[str, np.ndarray] | None = None,
+        chunk_tokens: int = CHUNK_TOKENS,
+    ):
+        assert tokens.ndim == 2, "calibration tokens are [n_seq, seq_len]"
+        self.spec, self.had_k, self.norms = spec, had_k, dict(norms or {})
+        seq_len = tokens.shape[1]
+        self.chunk = max(1, chunk_tokens // seq_len)  # sequences per chunk
+        h = embed[mx.array(tokens)].astype(mx.float32)
+        self.h = np.array(h)  # [n_seq, seq_len, D]
+        del h
+
+    def _chunks(self):
+        for s in range(0, len(self.h), self.chunk):
+            yield slice(s, s + self.chunk)
+
+    def _fixed_parts(self, block: nn.Module, layer: int) -> None:
+        """What the runtime's `sanitize` loads beside the planes: R4's hadK, norm weights."""
+        if self.had_k is not None:
+            block.mlp.r4.had_k = mx.array(self.had_k.astype(np.float32))
+        p = f"model.layers.{layer}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            if getattr(block, norm) is not None:
+                d = self.norms.get(f"{p}{norm}.weight")
+                setattr(
+                    block, norm, mx.ones_like(getattr(block, norm)) if d is None else mx.array(d)
+                )
+
+    def _run(self, block: nn.Module, options: RunOptions, update: bool) -> None:
+        for rows in self._chunks():
+            h = mx.array(self.h[rows])
+            cache = NestedKVCache(self.spec.kv_group, quantized=False)
+            out = block(h, "causal" if h.shape[1] > 1 else None, cache, options)
+            mx.eval(out)
+            if update:
+                self.h[rows] = np.array(out)
+
+    def hessians(
+        self, layer: int, weights: Mapping[str, np.ndarray], quantize_activations: bool = True
+    ) -> dict[str, np.ndarray]:
+        """{Linear name (as in LAYER_LINEARS): its input's Hessian [K, K] float64} of layer
+        `layer` with float `weights` ({"self_attn.q_proj.weight": [N, K], biases...}); the
+        hidden states are left as they were."""
+        block = _block(self.spec, layer)
+        self._fixed_parts(block, layer)
+        sums = {}
+        for name in LAYER_LINEARS:
+            record = None
+            if name not in SHARED_INPUT:
+                sums[name] = record = HessianSum(weights[f"{name}.weight"].shape[1])
+            _set_linear(
+                block,
+                name,
+                FloatLinear(weights[f"{name}.weight"], weights.get(f"{name}.bias"), record),
+            )
+        options = (
+            _FLOAT
+            if quantize_activations
+            else RunOptions(
+                mode="target", quantize_activations=False, quantize_kv=False, use_kernels=False
+            )
+        )
+        self._run(block, options, update=False)
+        return {name: sums[SHARED_INPUT.get(name, name)].value() for name in LAYER_LINEARS}
+
+    def advance(
+        self, layer: int, planes: Mapping[str, Planes], biases: Mapping[str, np.ndarray]
+    ) -> None:
+        """The hidden states through layer `layer` as the draft reads it (`planes` by Linear
+        name, as in LAYER_LINEARS; `biases` by "<name>.bias")."""
+        block = _block(self.spec, layer)
+        self._fixed_parts(block, layer)
+        for name in LAYER_LINEARS:
+            p = planes[name]
+            tensors = {
+                f"{name}.hi": mx.array(p.hi),
+                f"{name}.lo": mx.array(p.lo),
+                f"{name}.scales": mx.array(p.scales),
+            }
+            if f"{name}.bias" in biases:
+                tensors[f"{name}.bias"] = mx.array(np.asarray(biases[f"{name}.bias"], np.float32))
+            params = DualPlaneLinear.prepare(tensors, name, mx.float32)
+            linear = getattr(getattr(block, name.split(".")[0]), name.split(".")[1])
+            linear.load_weights([(k.removeprefix(name + "."), v) for k, v in params.items()])
+        self._run(block, _DRAFT, update=True)
+
+    def float_advance(self, layer: int, weights: Mapping[str, np.ndarray], a8_on: bool) -> None:
+        """The hidden states through layer `layer` with float weights (A8 on or off): the
+        reference forward of the float model, for smoothing and for tests."""
+        block = _block(self.spec, layer)
+        self._fixed_parts(block, layer)
+        for name in LAYER_LINEARS:
+            _set_linear(
+                block,
+                name,
+                FloatLinear(weights[f"{name}.weight"], weights.get(f"{name}.bias"), None),
+            )
+        options = RunOptions(
+            mode="target", quantize_activations=a8_on, quantize_kv=False, use_kernels=False
+        )
+        self._run(block, options, update=True)
+
+    def normed(self, norm: str | None = None) -> np.ndarray:
+        """The RMSNorm of the hidden states [tokens, D] (times the smoothing vector of `norm`
+        when it has one): what the Linears reading that norm see before A8."""
+        h = mx.array(self.h.reshape(-1, self.h.shape[-1]))
+        d = self.norms.get(norm) if norm else None
+        x = mx.fast.rms_norm(h, None if d is None else mx.array(d), self.spec.rms_norm_eps)
+        return np.array(x)
+
+    def final_hessian(self) -> np.ndarray:
+        """lm_head's input Hessian: A8 of the final norm of the current hidden states."""
+        total = HessianSum(self.h.shape[-1])
+        d = self.norms.get("model.norm.weight")
+        for rows in self._chunks():
+            h = mx.array(self.h[rows])
+            x = mx.fast.rms_norm(h, None if d is None else mx.array(d), self.spec.rms_norm_eps)
+            total.add(a8(x))
+        return total.value()
