@@ -1,18 +1,21 @@
 // y[m, n] = Σ_k x[m, k] · W[n, k] for M = 1..8 tokens, straight from the nibble planes.
 //   draft:  W = (hi - 8) · s          target: W = (16 (hi - 8) + (lo - 8)) · s / 16
-// Template: T (x, scales, y dtype), M, TARGET, A8 (quantize x with `ascale` on the fly),
-// AGROUP (A8 scale per 128-column group instead of per token).
+// Template: T (x, scales, y dtype), M, TARGET, GS (weight group: 32, 64 or 128 columns per
+// scale), A8 (quantize x with `ascale` on the fly), AG (A8 scale per AG-column group, AG a
+// multiple of 16; 0: one scale per token).
 // Layout: one simdgroup owns ROWS = 4 output rows; lane l takes 16 consecutive columns of every
-// 512-column block, i.e. 2 words of each plane, all inside one 128-column scale group. The weight
-// words and scales are loaded once per block and reused for all M tokens.
+// 512-column block, i.e. 2 words of each plane. 16 divides every GS and AG, so those 16 columns
+// share one weight scale and one A8 scale. The weight words and scales are loaded once per block
+// and reused for all M tokens.
 // With A8 the inner product is integer: q (int8 codes) · c (4- or 8-bit weight codes) is exact in
 // int32, and the scales (s, and the A8 scale a) multiply the partial sum once per 16 columns;
 // a per-token a folds out of the whole dot product and is applied after the reduction.
 constexpr int ROWS = 4;
+constexpr int AGW = AG > 0 ? AG : 16;  // a divisor that is never used when AG = 0
 const int lane = int(thread_index_in_simdgroup);
 const int row0 = int(thread_position_in_grid.y) * ROWS;
 const int words = K / 8;
-const int groups = K / 128;
+const int groups = K / GS;
 
 float acc[M][ROWS];
 for (int m = 0; m < M; m++)
@@ -26,7 +29,7 @@ for (int r = 0; r < ROWS; r++)
 
 for (int k0 = lane * 16; k0 < K; k0 += 512) {
   const int w0 = k0 / 8;
-  const int g = k0 / 128;
+  const int g = k0 / GS;
   uint h[ROWS][2];
   uint l[ROWS][2];
   float s[ROWS];
@@ -41,7 +44,7 @@ for (int k0 = lane * 16; k0 < K; k0 += 512) {
   }
   for (int m = 0; m < M; m++) {
     if (A8) {
-      const float a = ascale[AGROUP ? m * groups + g : m];
+      const float a = ascale[AG > 0 ? m * (K / AGW) + k0 / AGW : m];
       int q[16];
       for (int i = 0; i < 16; i++)
         q[i] = bn_a8_code(float(x[m * K + k0 + i]), a);
@@ -53,7 +56,7 @@ for (int k0 = lane * 16; k0 < K; k0 += 512) {
             c = 16 * c + bn_nibble(l[r][i / 8], i % 8) - 8;
           dot += q[i] * c;
         }
-        acc[m][r] += (AGROUP ? a * s[r] : s[r]) * float(dot);
+        acc[m][r] += (AG > 0 ? a * s[r] : s[r]) * float(dot);
       }
     } else {
       float xv[16];
@@ -78,7 +81,7 @@ for (int m = 0; m < M; m++) {
     float v = metal::simd_sum(acc[m][r]);
     if (TARGET)
       v *= 0.0625f;  // s/16 stays in float32: never a subnormal fp16 scale
-    if (A8 && !AGROUP)
+    if (A8 && AG == 0)
       v *= ascale[m];
     if (lane == r && row0 + r < N)
       y[m * N + row0 + r] = T(v);

@@ -47,9 +47,8 @@ class Attention(nn.Module):
         self.k_bias_offset = args.k_bias_offset
 
         def lin(name, n_in, n_out):
-            return DualPlaneLinear(
-                n_in, n_out, f"model.layers.{layer}.self_attn.{name}" in args.biased
-            )
+            biased = f"model.layers.{layer}.self_attn.{name}" in args.biased
+            return DualPlaneLinear(n_in, n_out, biased, group_size=args.group_size)
 
         self.q_proj = lin("q_proj", d, self.n_heads * hd)
         self.k_proj = lin("k_proj", d, self.n_kv_heads * hd)
@@ -103,9 +102,9 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         d, n = args.hidden_size, args.intermediate_size
-        self.gate_proj = DualPlaneLinear(d, n)
-        self.up_proj = DualPlaneLinear(d, n)
-        self.down_proj = DualPlaneLinear(n, d)
+        self.gate_proj = DualPlaneLinear(d, n, group_size=args.group_size)
+        self.up_proj = DualPlaneLinear(d, n, group_size=args.group_size)
+        self.down_proj = DualPlaneLinear(n, d, group_size=args.group_size)
         r4 = args.r4[layer] if args.r4 else None
         self.r4 = OnlineHadamard(n, r4["K"], r4.get("fp32", False)) if r4 else None
 
@@ -150,7 +149,9 @@ class Model(nn.Module):
         self.model_type = args.model_type
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
-        self.lm_head = DualPlaneLinear(args.hidden_size, args.vocab_size)
+        self.lm_head = DualPlaneLinear(
+            args.hidden_size, args.vocab_size, group_size=args.group_size
+        )
         self.norm = mx.ones((args.hidden_size,)) if args.smoothing else None  # as in the layers
         self.options = RunOptions()
 

@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
-from ..formats.bitnest.numerics import GROUP_SIZE, a8, a8_scale, nested
+from ..formats.bitnest.numerics import GROUP_SIZE, WEIGHT_GROUPS, a8, a8_scale, nested
 from .options import RunOptions
 
 _DEFAULT = RunOptions()
@@ -18,15 +18,24 @@ class DualPlaneLinear(nn.Module):
     """y = A8(x)·W4ᵀ (draft) or A8(x)·W8ᵀ (target), W8 = W4 + lo/16, from two 4-bit planes.
 
     `hi`/`lo` are the package's uint8 [N, K/2] planes viewed as uint32 [N, K/8] (zero copy),
-    which is MLX's affine 4-bit packing with biases = -8·scales. The call decides once between
-    the Metal kernel (A8 fused into it) and the pure-MLX path (the reference).
+    which is MLX's affine 4-bit packing with biases = -8·scales, one scale per `group_size`
+    columns. The call decides once between the Metal kernel (A8 fused into it) and the pure-MLX
+    path (the reference).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, group_size: int = GROUP_SIZE
+    ):
         super().__init__()
+        if group_size not in WEIGHT_GROUPS or in_features % group_size:
+            raise ValueError(
+                f"DualPlaneLinear: group_size {group_size} must be one of {WEIGHT_GROUPS} and "
+                f"divide in_features {in_features}"
+            )
+        self.group_size = group_size
         self.hi = mx.zeros((out_features, in_features // 8), dtype=mx.uint32)
         self.lo = mx.zeros((out_features, in_features // 8), dtype=mx.uint32)
-        self.scales = mx.ones((out_features, in_features // GROUP_SIZE))
+        self.scales = mx.ones((out_features, in_features // group_size))
         self.biases = -8 * self.scales
         if bias:
             self.bias = mx.zeros((out_features,))
@@ -45,7 +54,7 @@ class DualPlaneLinear(nn.Module):
 
     def _qmm(self, x: mx.array, plane: mx.array) -> mx.array:
         return mx.quantized_matmul(
-            x, plane, self.scales, self.biases, transpose=True, group_size=GROUP_SIZE, bits=4
+            x, plane, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=4
         )
 
     def _pure(self, x: mx.array, draft: bool, dense_min_rows: int = 0) -> mx.array:
@@ -57,7 +66,7 @@ class DualPlaneLinear(nn.Module):
 
     def dequantized(self, draft: bool) -> mx.array:
         """W4 (draft) or W8 (target) as a dense [N, K] matrix in the scales' dtype."""
-        kw = dict(group_size=GROUP_SIZE, bits=4)
+        kw = dict(group_size=self.group_size, bits=4)
         w = mx.dequantize(self.hi, self.scales, self.biases, **kw)
         return w if draft else nested(w, mx.dequantize(self.lo, self.scales, self.biases, **kw))
 
@@ -93,10 +102,10 @@ def project(
     if (
         o.use_kernels
         and kernels.use("dual_plane", kernel_self_test)
-        and kernels.dual_plane_supported(x, linears[0].hi)
+        and kernels.dual_plane_supported(x, linears[0].hi, linears[0].scales)
     ):
         path = "kernel"
-        fused = group in (-1, GROUP_SIZE)  # the kernel quantizes x itself at these groups
+        fused = group is not None and kernels.a8_fusable(group, x.shape[-1])
         x_in = x if fused or group is None else a8(x, group)
         a_scale = a8_scale(x, group) if fused else None
         ys = [lin._kernel(x_in, a_scale, o.draft) for lin in linears]
@@ -110,15 +119,24 @@ def project(
 
 
 def kernel_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx.array]:
-    """(kernel, pure) on a small random Linear, target planes, A8 per token."""
-    k1, k2, k3 = mx.random.split(mx.random.key(1), 3)
-    lin = DualPlaneLinear(256, 12)
-    lin.hi = mx.random.randint(0, 2**31, (12, 32), key=k1).astype(mx.uint32)
-    lin.lo = mx.random.randint(0, 2**31, (12, 32), key=k2).astype(mx.uint32)
-    lin.scales = mx.full((12, 2), 0.01)
-    lin.biases = -8 * lin.scales
-    x = mx.random.normal((3, 256), key=k3)
-    got = kernels.dual_plane_matmul(
-        x, lin.hi, lin.lo, lin.scales, draft=False, a_scale=a8_scale(x), runner=runner
-    )
-    return got, lin._pure(a8(x), draft=False)
+    """(kernel, pure) on small random Linears with target planes, one per weight group size;
+    A8 per token at 128, per 64 and per 128 columns (o_proj's per-head groups) at 64 and 32."""
+    got, want = [], []
+    cases = ((128, -1), (64, 64), (32, 128))  # (weight group, A8 group): every WEIGHT_GROUPS
+    for i, (group_size, a_group) in enumerate(cases):
+        k1, k2, k3, k4 = mx.random.split(mx.random.key(1 + i), 4)
+        lin = DualPlaneLinear(256, 12, group_size=group_size)
+        lin.hi = mx.random.randint(0, 2**31, (12, 32), key=k1).astype(mx.uint32)
+        lin.lo = mx.random.randint(0, 2**31, (12, 32), key=k2).astype(mx.uint32)
+        # A different scale per group, so that reading the wrong group shows.
+        lin.scales = mx.random.uniform(0.005, 0.02, lin.scales.shape, key=k3)
+        lin.biases = -8 * lin.scales
+        x = mx.random.normal((3, 256), key=k4)
+        a_scale = a8_scale(x, a_group)
+        got.append(
+            kernels.dual_plane_matmul(
+                x, lin.hi, lin.lo, lin.scales, draft=False, a_scale=a_scale, runner=runner
+            )
+        )
+        want.append(lin._pure(a8(x, a_group), draft=False))
+    return mx.concatenate(got, axis=-1), mx.concatenate(want, axis=-1)

@@ -15,11 +15,19 @@ from .layout import (
     NORMS_KEYS,
     PackageError,
 )
-from .numerics import GROUP_SIZE, KV_GROUPS
+from .numerics import GROUP_SIZE, KV_GROUPS, WEIGHT_GROUPS
+
+# head_dim when there is no config.json: the original definition's (= its o_proj A8 group).
+DERIVED_HEAD_DIM = 128
+
+
+def weight_group(manifest: dict) -> int:
+    """Columns per weight scale (§2.1): the manifest's `group_size`, GROUP_SIZE when absent."""
+    return manifest.get("group_size", GROUP_SIZE)
 
 
 def derive_config(manifest: dict, where: str) -> dict:
-    """Model dims from the manifest's `layers` shapes (head_dim = o_proj activation group = 128)."""
+    """Model dims from the manifest's `layers` shapes (head_dim = DERIVED_HEAD_DIM)."""
     layers = manifest["layers"]
     arch = manifest.get("arch")
     if arch not in ARCHS:
@@ -34,7 +42,7 @@ def derive_config(manifest: dict, where: str) -> dict:
         (int(m.group(1)) for k in layers if (m := re.match(r"model\.layers\.(\d+)\.", k))),
         default=-1,
     )
-    head_dim = GROUP_SIZE
+    head_dim = DERIVED_HEAD_DIM
     q, k = shape("model.layers.0.self_attn.q_proj"), shape("model.layers.0.self_attn.k_proj")
     rope = manifest.get("rope") or {}
     return {
@@ -71,8 +79,9 @@ def check_manifest(manifest: dict, f: Path) -> None:
         raise PackageError(f"{f}: format is {manifest.get('format')!r}, expected {FORMAT!r}")
     if manifest.get("arch") not in ARCHS:
         raise PackageError(f"{f}: unknown arch {manifest.get('arch')!r}, expected one of {ARCHS}")
-    if manifest.get("group_size", GROUP_SIZE) != GROUP_SIZE:
-        raise PackageError(f"{f}: group_size {manifest['group_size']}, expected {GROUP_SIZE}")
+    group = weight_group(manifest)
+    if not (isinstance(group, int) and group in WEIGHT_GROUPS):
+        raise PackageError(f"{f}: group_size = {group!r}, expected one of {WEIGHT_GROUPS}")
     layers = manifest.get("layers")
     if not isinstance(layers, dict) or not layers:
         raise PackageError(f"{f}: expected a non-empty 'layers' object (Linear name -> shape)")
@@ -87,15 +96,15 @@ def check_manifest(manifest: dict, f: Path) -> None:
                 f"{f}: {name}: shape is {shape!r}, expected [N, K] (two positive integers)"
             )
         k = shape[1]
-        if k % GROUP_SIZE:
+        if k % group:
             raise PackageError(
-                f"{f}: {name}: K = {k}, expected a multiple of {GROUP_SIZE} "
-                f"(one scale per {GROUP_SIZE} columns)"
+                f"{f}: {name}: K = {k}, expected a multiple of {group} "
+                f"(group_size: one scale per {group} columns)"
             )
-        if entry.get("groups", k // GROUP_SIZE) != k // GROUP_SIZE:
+        if entry.get("groups", k // group) != k // group:
             raise PackageError(
-                f"{f}: {name}: groups = {entry['groups']!r}, expected K/{GROUP_SIZE} = "
-                f"{k // GROUP_SIZE}"
+                f"{f}: {name}: groups = {entry['groups']!r}, expected K/{group} = {k // group} "
+                f"(group_size {group})"
             )
         if not isinstance(entry.get("has_bias", False), bool):
             raise PackageError(f"{f}: {name}: has_bias = {entry['has_bias']!r}, expected a bool")

@@ -6,12 +6,15 @@ Spec: docs/bitnest-package.md (integer maps, activation quantization).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
-GROUP_SIZE = 128  # columns per weight scale (and per A8 group where a Linear is grouped)
+GROUP_SIZE = 128  # the default (and the seed packages') columns per weight scale
+# Weight scale groups a package may use: MLX's 4-bit (de)quantization supports exactly these.
+WEIGHT_GROUPS = (32, 64, 128)
 KV_GROUPS = (32, 64, 128)  # KV scale groups MLX's 4-bit (de)quantization supports
 LO_STEP = 1 / 16  # the lo plane's step, in units of the hi plane's
 W8_MAX = 119 / 16  # the W8 grid spans [-8 s, 7.4375 s]: q8 = 16 q4 + qr in [-128, 119]
@@ -74,25 +77,51 @@ def unpack_nibbles(b: np.ndarray) -> np.ndarray:
 class Planes:
     hi: np.ndarray  # uint8 [N, K/2]
     lo: np.ndarray  # uint8 [N, K/2]
-    scales: np.ndarray  # float16 [N, K/128]
+    scales: np.ndarray  # float16 [N, K/group_size]
     saturation: float  # fraction of residuals clipped at +-8
     w8_max_rel_err: float  # max|W8 - W| / max|W|
     w4_rel_fro_err: float  # ||W4 - W||_F / ||W||_F
 
 
-def quantize_planes(w: np.ndarray) -> Planes:
+def choose_group_size(ks: Iterable[int], requested: int | None = None) -> int:
+    """The weight group for Linears with input widths `ks`: `requested` when given (it must be
+    one of WEIGHT_GROUPS and divide every K), else the largest of WEIGHT_GROUPS dividing all K:
+    128, the seed packages' group, whenever it can be, since a finer group costs scale bytes."""
+    ks = [int(k) for k in ks]
+    if requested is not None:
+        if requested not in WEIGHT_GROUPS:
+            raise ValueError(f"group_size {requested!r}: expected one of {WEIGHT_GROUPS}")
+        if bad := [k for k in ks if k % requested]:
+            raise ValueError(f"group_size {requested}: K = {bad[0]} is not a multiple of it")
+        return requested
+    for group in sorted(WEIGHT_GROUPS, reverse=True):
+        if all(k % group == 0 for k in ks):
+            return group
+    bad = next(k for k in ks if k % min(WEIGHT_GROUPS))
+    raise ValueError(f"K = {bad} is not a multiple of any weight group size {WEIGHT_GROUPS}")
+
+
+def _check_group(k: int, group_size: int, shape: list[int]) -> None:
+    """A weight of `shape` can be quantized in groups of `group_size` columns."""
+    if group_size not in WEIGHT_GROUPS or k % group_size:
+        raise ValueError(
+            f"weight shape {shape}: group_size {group_size} must be one of {WEIGHT_GROUPS} "
+            "and divide K"
+        )
+
+
+def quantize_planes(w: np.ndarray, group_size: int = GROUP_SIZE) -> Planes:
     """RTN planes: the W8 code q8 = round(w/(s/16)) split into hi and lo nibbles (see
     `planes_from_codes`), s from `weight_scales`."""
-    return planes_from_codes(w)
+    return planes_from_codes(w, group_size=group_size)
 
 
-def weight_scales(w: np.ndarray) -> np.ndarray:
-    """fp16 scales [N, K/128]: the smallest s whose W8 grid still holds every value of the group
-    (max/7.4375 and -min/8), so W8 never clips and W4 gets a ~6 % finer step than amax/7."""
+def weight_scales(w: np.ndarray, group_size: int = GROUP_SIZE) -> np.ndarray:
+    """fp16 scales [N, K/group_size]: the smallest s whose W8 grid still holds every value of the
+    group (max/7.4375 and -min/8), so W8 never clips and W4 gets a ~6 % finer step than amax/7."""
     n, k = w.shape
-    if k % GROUP_SIZE:
-        raise ValueError(f"weight shape {[n, k]}: K must be a multiple of {GROUP_SIZE}")
-    wg = w.astype(np.float32).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    _check_group(k, group_size, [n, k])
+    wg = w.astype(np.float32).reshape(n, k // group_size, group_size)
     s = np.maximum(wg.max(-1) / W8_MAX, -wg.min(-1) / 8)
     s16 = np.maximum(s, 2.0**-14).astype(np.float16)
     s16[s == 0] = 1
@@ -104,19 +133,29 @@ def planes_from_codes(
     codes: np.ndarray | None = None,
     scales: np.ndarray | None = None,
     residual: np.ndarray | None = None,
+    group_size: int | None = None,
 ) -> Planes:
-    """Planes for weight `w` [N, K] from given hi codes q4 [N, K] and fp16 scales [N, K/128].
+    """Planes for weight `w` [N, K] from given hi codes q4 [N, K] and fp16 scales [N, K/g].
 
-    Missing scales come from `weight_scales`. Missing codes are RTN of the W8 code:
-    q8 = clip(round(w/(s/16)), -128, 119) and q4 = floor((q8 + 8)/16), its hi nibble, which is
-    round(w/s) except within s/32 of a midpoint; so the residual below never clips. A missing
-    `residual` (lo codes qr [N, K]) is the RTN residual of the original weight:
-    qr = clip(round((w - q4 s)/(s/16)), -8, 7), kept >= 0 where q4 = -8 (q8 >= -128).
+    The group g is `group_size`; None means the one the given scales imply (K / their last
+    dim), or GROUP_SIZE without scales. Missing scales come from `weight_scales`. Missing codes
+    are RTN of the W8 code: q8 = clip(round(w/(s/16)), -128, 119) and q4 = floor((q8 + 8)/16),
+    its hi nibble, which is round(w/s) except within s/32 of a midpoint; so the residual below
+    never clips. A missing `residual` (lo codes qr [N, K]) is the RTN residual of the original
+    weight: qr = clip(round((w - q4 s)/(s/16)), -8, 7), kept >= 0 where q4 = -8 (q8 >= -128).
     """
     n, k = w.shape
-    s16 = weight_scales(w) if scales is None else np.asarray(scales, dtype=np.float16)
-    s16 = s16.reshape(n, k // GROUP_SIZE)
-    wg = w.astype(np.float32).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    if group_size is None:
+        group_size = GROUP_SIZE if scales is None else k // max(np.shape(scales)[-1], 1)
+    _check_group(k, group_size, [n, k])
+    s16 = weight_scales(w, group_size) if scales is None else np.asarray(scales, np.float16)
+    if s16.size != n * (k // group_size):
+        raise ValueError(
+            f"scales of shape {list(s16.shape)}: expected [{n}, {k // group_size}] for weight "
+            f"[{n}, {k}] at group_size {group_size}"
+        )
+    s16 = s16.reshape(n, k // group_size)
+    wg = w.astype(np.float32).reshape(n, k // group_size, group_size)
     # Codes are computed from the fp16 scale actually stored, so dequantization is consistent.
     s = s16.astype(np.float32)[..., None]
     if codes is None:
@@ -149,9 +188,11 @@ def planes_from_codes(
 def dequantize_planes(
     hi: np.ndarray, lo: np.ndarray, scales: np.ndarray, draft: bool
 ) -> np.ndarray:
-    """W4 = q4 s (draft) or W8 = (16 q4 + qr) s / 16 (target), float64 [N, K]."""
+    """W4 = q4 s (draft) or W8 = (16 q4 + qr) s / 16 (target), float64 [N, K]; the group is
+    K / (scales' last dim), so this reads every group size."""
     q4 = unpack_nibbles(np.asarray(hi)).astype(np.float64) - 8
-    s = np.repeat(np.asarray(scales, dtype=np.float64), GROUP_SIZE, axis=-1)
+    scales = np.asarray(scales, dtype=np.float64)
+    s = np.repeat(scales, q4.shape[-1] // scales.shape[-1], axis=-1)
     if draft:
         return q4 * s
     qr = unpack_nibbles(np.asarray(lo)).astype(np.float64) - 8

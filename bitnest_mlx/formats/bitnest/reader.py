@@ -24,8 +24,7 @@ from .layout import (
     linear_shapes,
     norm_names,
 )
-from .manifest import check_manifest, check_o_proj_group, load_config
-from .numerics import GROUP_SIZE
+from .manifest import check_manifest, check_o_proj_group, load_config, weight_group
 from .spec import PackageSpec
 
 _NORM_RE = re.compile(r"model\.layers\.\d+\.(input_layernorm|post_attention_layernorm)\.weight")
@@ -121,9 +120,9 @@ class _Tensors:
             raise PackageError(f"{self.source}: missing tensor {name} (expected {want}{why})")
         f, a = self.found[name]
         if a.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
-            raise _fail(f, name, f"dtype {_dt(a.dtype)} but expected {want}")
+            raise _fail(f, name, f"dtype {_dt(a.dtype)} but expected {want}{why}")
         if tuple(a.shape) != tuple(shape):
-            raise _fail(f, name, f"shape {list(a.shape)} but expected {want}")
+            raise _fail(f, name, f"shape {list(a.shape)} but expected {want}{why}")
         self.used.add(name)
         return a
 
@@ -200,6 +199,7 @@ def read(path: str | Path) -> Package:
     check_o_proj_group(manifest, config, manifest_file)
     had_k = _had_k_needed(manifest, config, manifest_file)
 
+    group = weight_group(manifest)
     index = path / INDEX_NAME
     tensors = _Tensors(read_tensors(path), index if index.is_file() else path / "model.safetensors")
     # Act-order first: such a package usually breaks other rules too, and this is the real cause.
@@ -209,12 +209,13 @@ def read(path: str | Path) -> Package:
                 f,
                 name,
                 "act-order / permutation tensors are not supported (expected groups of "
-                f"{GROUP_SIZE} contiguous columns)",
+                f"{group} contiguous columns)",
             )
     for name, (n, k) in linears.items():
         hi = tensors.expect(f"{name}.hi", mx.uint8, (n, k // 2))
         lo = tensors.expect(f"{name}.lo", mx.uint8, (n, k // 2))
-        tensors.expect(f"{name}.scales", mx.float16, (n, k // GROUP_SIZE))
+        why = f"; {manifest_file.name}: group_size {group}"
+        tensors.expect(f"{name}.scales", mx.float16, (n, k // group), why)
         if manifest["layers"][name].get("has_bias"):
             why = f"; {manifest_file.name} says has_bias: true"
             tensors.expect(f"{name}.bias", (mx.float16, mx.float32), (n,), why)

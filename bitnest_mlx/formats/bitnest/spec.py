@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .manifest import weight_group
+
 
 @dataclass
 class PackageSpec:
@@ -20,6 +22,7 @@ class PackageSpec:
     vocab_size: int
     rms_norm_eps: float
     head_dim: int = 128
+    group_size: int = 128  # columns per weight scale (manifest `group_size`: 32, 64 or 128)
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     max_position_embeddings: int = 4096
@@ -45,6 +48,7 @@ class PackageSpec:
         return cls(
             **{
                 **dims,
+                "group_size": weight_group(manifest),
                 "biased": [n for n, e in manifest["layers"].items() if e.get("has_bias")],
                 "r4": [_r4(online.get(f"model.layers.{i}.mlp.down_proj")) for i in layers],
                 "o_proj_group": groups.get("model.layers.0.self_attn.o_proj", head_dim),

@@ -26,7 +26,7 @@ from .layout import (
     linear_shapes,
     norm_names,
 )
-from .numerics import GROUP_SIZE, Planes
+from .numerics import GROUP_SIZE, Planes, choose_group_size
 from .spec import PackageSpec
 
 
@@ -176,10 +176,14 @@ class PackageWriter:
         smoothing: bool = False,
         shard_bytes: int = 2 * 2**30,
     ):
+        self.shapes = linear_shapes(config)
+        try:  # the reader's rule (§2.1), checked before anything is written
+            choose_group_size([k for _, k in self.shapes.values()], group_size)
+        except ValueError as e:
+            raise PackageError(f"write: {e}") from None
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.config, self.tokenizer_dir, self.shard_bytes = config, tokenizer_dir, shard_bytes
-        self.shapes = linear_shapes(config)
         self.linears = {
             lin: {
                 "shape": list(shape),
