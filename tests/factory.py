@@ -92,12 +92,18 @@ def float_weights(
 
 
 def make_package(
-    out: Path, arch: str = "llama", *, tokenizer: bool = False, **dims
+    out: Path,
+    arch: str = "llama",
+    *,
+    tokenizer: bool = False,
+    group_size: int | None = None,
+    **dims,
 ) -> tuple[Path, dict[str, np.ndarray], dict]:
     """Write a package to `out`; returns (path, the float weights, the HF config).
 
     With `tokenizer`, the demo's byte-level tokenizer is written too (its vocab is 257), so the
-    package also loads through `bitnest_mlx.load`.
+    package also loads through `bitnest_mlx.load`. `group_size`: the weight group (None: the
+    writer's choice, 128 for these dims).
     """
     from bitnest_mlx.demo import write_tokenizer
 
@@ -105,7 +111,14 @@ def make_package(
     if tokenizer:
         dims["vocab"] = write_tokenizer(out)
     weights, config = float_weights(arch, **dims)
-    write_package(out, weights, config, name=f"tiny-{arch}", source_model="tests.factory")
+    write_package(
+        out,
+        weights,
+        config,
+        name=f"tiny-{arch}",
+        source_model="tests.factory",
+        group_size=group_size,
+    )
     return out, weights, config
 
 
@@ -238,9 +251,17 @@ def config_dict(model) -> dict:
 # A random package for speculative-decoding tests (uniform norms, optional lm_head outliers)
 
 
-def tiny_package(out: Path, seed: int, vocab: int = VOCAB, layers: int = 1, outlier: float = 1.0):
-    """A random hidden-256 Llama package. `outlier` scales two lm_head columns: a larger group
-    maximum coarsens the W4 plane much more than W8, pulling the draft away from the target."""
+def tiny_package(
+    out: Path,
+    seed: int,
+    vocab: int = VOCAB,
+    layers: int = 1,
+    outlier: float = 1.0,
+    group_size: int | None = None,
+):
+    """A random hidden-256 Llama package, loaded. `outlier` scales two lm_head columns: a larger
+    group maximum coarsens the W4 plane much more than W8, pulling the draft away from the
+    target. `group_size`: the weight group (None: the writer's choice, 128)."""
     rng = np.random.default_rng(seed)
     d, inter = 256, 512
     config = dict(
@@ -280,7 +301,8 @@ def tiny_package(out: Path, seed: int, vocab: int = VOCAB, layers: int = 1, outl
     from bitnest_mlx.demo import write_tokenizer
 
     write_tokenizer(out)  # `load` wants a tokenizer; these tests work on token ids
-    write_package(out, {k: v.astype(np.float32) for k, v in w.items()}, config)
+    weights = {k: v.astype(np.float32) for k, v in w.items()}
+    write_package(out, weights, config, group_size=group_size)
     import bitnest_mlx
 
     model, _ = bitnest_mlx.load(out)

@@ -31,7 +31,7 @@ import numpy as np
 
 from bitnest_mlx.formats import bitnest
 
-GROUP = 128  # weight scale group (columns)
+GROUP = 128  # weight scale group (columns) of a manifest without `group_size` (spec §1.1)
 F32 = np.float32
 
 
@@ -45,10 +45,14 @@ def unpack_codes(b: np.ndarray) -> np.ndarray:
     return np.stack([b & 0x0F, b >> 4], axis=-1).reshape(*b.shape[:-1], 2 * b.shape[-1])
 
 
-def dequant(hi: np.ndarray, lo: np.ndarray, scales: np.ndarray, draft: bool) -> np.ndarray:
-    """W4 = q4 s (draft) or W8 = (16 q4 + qr) s / 16 (target), float64 [N, K]."""
+def dequant(
+    hi: np.ndarray, lo: np.ndarray, scales: np.ndarray, draft: bool, group: int = GROUP
+) -> np.ndarray:
+    """W4 = q4 s (draft) or W8 = (16 q4 + qr) s / 16 (target), float64 [N, K]; one scale per
+    `group` columns."""
     q4 = unpack_codes(hi).astype(np.float64) - 8
-    s = np.repeat(np.asarray(scales).astype(np.float64), GROUP, axis=-1)
+    s = np.repeat(np.asarray(scales).astype(np.float64), group, axis=-1)
+    assert s.shape == q4.shape, f"scales {np.shape(scales)} do not cover {q4.shape} in {group}s"
     if draft:
         return q4 * s
     qr = unpack_codes(lo).astype(np.float64) - 8
@@ -214,6 +218,7 @@ class Reference:
     config: dict
     tensors: dict[str, np.ndarray]
     had: dict[int, np.ndarray | None]  # layer -> R4 matrix (absent layer: no online transform)
+    group: int  # weight scale group: the manifest's group_size
     o_group: int
     kv_group: int
     inv_freq: np.ndarray
@@ -238,6 +243,7 @@ class Reference:
             config=cfg,
             tensors=t,
             had=had,
+            group=man.get("group_size", GROUP),
             o_group=groups.get("model.layers.0.self_attn.o_proj", cfg["head_dim"]),
             kv_group=kv.get("group", cfg["head_dim"]),
             inv_freq=rope_inv_freq(cfg["head_dim"], cfg["rope_theta"], cfg.get("rope_scaling")),
@@ -247,7 +253,7 @@ class Reference:
 
     def weight(self, name: str, draft: bool) -> np.ndarray:
         t = self.tensors
-        return dequant(t[f"{name}.hi"], t[f"{name}.lo"], t[f"{name}.scales"], draft)
+        return dequant(t[f"{name}.hi"], t[f"{name}.lo"], t[f"{name}.scales"], draft, self.group)
 
     def linear(self, x: np.ndarray, name: str, draft: bool) -> np.ndarray:
         y = np.asarray(x, dtype=np.float64) @ self.weight(name, draft).T

@@ -81,31 +81,33 @@ def test_uint32_view_of_planes_is_mlx_affine_4bit_with_bias_minus_8s():
 
 def spec_lo_codes(w: np.ndarray, q4: np.ndarray, s: np.ndarray) -> np.ndarray:
     """Spec §2: qr = clip(round((w - q4 s)/(s/16)), -8, 7), and qr >= 0 where q4 = -8, per
-    128-column group with the stored fp16 scale s (fp32 math)."""
+    group of K / s.shape[1] columns with the stored fp16 scale s (fp32 math)."""
     n, k = w.shape
-    wg = w.astype(F32).reshape(n, k // 128, 128)
+    wg = w.astype(F32).reshape(n, s.shape[1], k // s.shape[1])
     sg = s.astype(F32)[..., None]
     q4g = q4.astype(F32).reshape(wg.shape)
     qr = np.clip(np.rint((wg - q4g * sg) / (sg / F32(16))), -8, 7)
     return np.where(q4g == -8, np.maximum(qr, 0), qr).reshape(n, k)
 
 
-def test_quantize_planes_codes_follow_the_rtn_and_lo_formulas():
+@pytest.mark.parametrize("group", bitnest.WEIGHT_GROUPS)
+def test_quantize_planes_codes_follow_the_rtn_and_lo_formulas(group):
     w = rng(3).normal(0, 0.05, (8, 512)).astype(F32)
     w[0, :128] = 0  # an all-zero group: scale 1, codes 0
     w[1, 130] = 3.0  # an outlier group: most residuals in it are small codes
-    planes = bitnest.quantize_planes(w)
+    planes = bitnest.quantize_planes(w, group)
     q4 = unpack_codes(planes.hi).astype(F32) - 8
     qr = unpack_codes(planes.lo).astype(F32) - 8
     s = planes.scales
     assert s.dtype == np.float16 and np.all(s > 0)
-    wg = w.reshape(8, 4, 128)
+    assert s.shape == (8, 512 // group)
+    wg = w.reshape(8, 512 // group, group)
     nonzero = np.abs(wg).max(-1) > 0
     # fp16 of the smallest scale whose W8 range [-8 s, 119/16 s] holds the group.
     want = np.maximum(wg.max(-1) * 16 / 119, -wg.min(-1) / 8)
     assert np.allclose(s[nonzero].astype(F32), want[nonzero], rtol=2**-11, atol=0)
     assert s[0, 0] == 1
-    sg = np.repeat(s.astype(F32), 128, axis=1)
+    sg = np.repeat(s.astype(F32), group, axis=1)
     # hi = the hi nibble of the W8 RTN code; within s/32 of a midpoint that is not round(w/s).
     q8 = np.clip(np.rint(w / (sg / 16)), -128, 119)
     assert np.array_equal(q4, np.floor((q8 + 8) / 16))
@@ -137,18 +139,21 @@ def test_lo_plane_is_nonnegative_where_hi_code_is_minus_8():
     assert np.all(16 * got_q4 + qr >= -128)
 
 
-def test_dequantize_planes_agrees_with_independent_numpy():
-    planes = bitnest.quantize_planes(rng(5).normal(0, 0.1, (5, 256)).astype(F32))
+@pytest.mark.parametrize("group", bitnest.WEIGHT_GROUPS)
+def test_dequantize_planes_agrees_with_independent_numpy(group):
+    """dequantize_planes reads the group from the shapes (K / scale columns)."""
+    planes = bitnest.quantize_planes(rng(5).normal(0, 0.1, (5, 256)).astype(F32), group)
     for draft in (True, False):
         a = bitnest.dequantize_planes(planes.hi, planes.lo, planes.scales, draft=draft)
-        assert np.array_equal(a, dequant(planes.hi, planes.lo, planes.scales, draft))
+        assert np.array_equal(a, dequant(planes.hi, planes.lo, planes.scales, draft, group))
 
 
+@pytest.mark.parametrize("group", bitnest.WEIGHT_GROUPS)
 @pytest.mark.parametrize("draft", [True, False])
-def test_dual_plane_linear_equals_matmul_with_dequantized_weights(draft):
+def test_dual_plane_linear_equals_matmul_with_dequantized_weights(draft, group):
     n, k = 24, 384
     w = rng(6).normal(0, 0.1, (n, k)).astype(F32)
-    planes = bitnest.quantize_planes(w)
+    planes = bitnest.quantize_planes(w, group)
     bias = rng(7).normal(0, 1, n).astype(F32)
     tensors = {
         "l.hi": mx.array(planes.hi),
@@ -156,11 +161,12 @@ def test_dual_plane_linear_equals_matmul_with_dequantized_weights(draft):
         "l.scales": mx.array(planes.scales),
         "l.bias": mx.array(bias),
     }
-    layer = DualPlaneLinear(k, n, bias=True)
+    layer = DualPlaneLinear(k, n, bias=True, group_size=group)
     params = DualPlaneLinear.prepare(tensors, "l", mx.float32)
     layer.load_weights([(name.removeprefix("l."), a) for name, a in params.items()])
     x = rng(8).normal(0, 1, (3, 5, k)).astype(F32)
-    want = x.astype(np.float64) @ dequant(planes.hi, planes.lo, planes.scales, draft).T + bias
+    want = x.astype(np.float64) @ dequant(planes.hi, planes.lo, planes.scales, draft, group).T
+    want += bias
     mode = "draft" if draft else "target"
     got = np.array(layer(mx.array(x), RunOptions(mode, quantize_activations=False)))
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()

@@ -923,3 +923,115 @@ def test_writer_records_r3_and_kv_group_and_the_model_uses_them(tmp_path):
     model, _ = bitnest_mlx.load(pkg)
     assert model.args.r3 and model.args.kv_group == 32
     assert model.make_cache()[0].group_size == 32
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight group sizes (§2.1: group_size 32, 64 or 128)
+
+
+@pytest.fixture(scope="session")
+def grouped(tmp_path_factory) -> dict:
+    """A 1-layer Llama package at each smaller weight group (the other packages here are 128)."""
+    root = tmp_path_factory.mktemp("grouped")
+    return {g: make_package(root / f"g{g}", n_layers=1, group_size=g) for g in (64, 32)}
+
+
+@pytest.mark.parametrize("group", [64, 32])
+def test_written_package_at_a_smaller_group_size_round_trips(grouped, group):
+    pkg, w, config = grouped[group]
+    package = bitnest.read(pkg)
+    assert package.manifest["group_size"] == group and package.spec.group_size == group
+    for name, entry in package.manifest["layers"].items():
+        n, k = entry["shape"]
+        assert entry["groups"] == k // group, name
+        assert package.tensors[f"{name}.scales"].shape == (n, k // group), name
+    # The planes hold the norm-folded weight to RTN accuracy on the finer group's scales.
+    t, lin = package.tensors, "model.layers.0.self_attn.q_proj"
+    want = w[lin + ".weight"] * w["model.layers.0.input_layernorm.weight"]
+    s = np.repeat(np.array(t[f"{lin}.scales"], dtype=np.float64), group, axis=-1)
+    assert np.all(np.abs(_planes(t, lin, draft=False) - want) <= s / 32 * (1 + 1e-2))
+    assert f"{group} columns" in package.manifest["weight_planes"]["draft"]
+
+
+@pytest.mark.parametrize("value", [48, 256, "128", 128.0, None])
+def test_group_size_other_than_32_64_128_is_refused(llama, value):
+    edit_json(llama, "bitnest.json", lambda m: m.update(group_size=value))
+    refused(llama, "bitnest.json", f"group_size = {value!r}", "expected one of (32, 64, 128)")
+
+
+def test_groups_entry_that_disagrees_with_group_size_is_refused(llama):
+    edit_json(llama, "bitnest.json", lambda m: m.update(group_size=64))
+    refused(llama, "bitnest.json", "model.layers.0.self_attn.q_proj", "groups = 2", "K/64 = 4")
+
+
+def test_scales_that_disagree_with_group_size_are_refused(llama):
+    def edit(m):
+        m["group_size"] = 64
+        for entry in m["layers"].values():
+            entry["groups"] = entry["shape"][1] // 64
+
+    edit_json(llama, "bitnest.json", edit)
+    refused(
+        llama,
+        "model.safetensors",
+        "tensor model.layers.0.self_attn.q_proj.scales",
+        "shape [256, 2] but expected float16 [256, 4]",
+        "group_size 64",
+    )
+
+
+def test_k_not_a_multiple_of_the_group_size_is_refused(grouped, tmp_path):
+    pkg = copy_package(grouped[64][0], tmp_path / "g64")
+    edit_json(pkg, "bitnest.json", lambda m: m["layers"]["lm_head"].update(shape=[257, 96]))
+    refused(pkg, "bitnest.json", "lm_head", "K = 96", "multiple of 64")
+
+
+def test_choose_group_size_prefers_128_and_names_the_k_it_cannot_split():
+    assert bitnest.choose_group_size([256, 384]) == 128
+    assert bitnest.choose_group_size([256, 192]) == 64
+    assert bitnest.choose_group_size([256, 96]) == 32
+    assert bitnest.choose_group_size([256, 384], requested=32) == 32
+    with pytest.raises(ValueError, match="K = 80"):
+        bitnest.choose_group_size([256, 80])
+    with pytest.raises(ValueError, match="K = 96"):
+        bitnest.choose_group_size([256, 96], requested=64)
+    with pytest.raises(ValueError, match=r"group_size 48.*\(32, 64, 128\)"):
+        bitnest.choose_group_size([256], requested=48)
+
+
+def test_planes_from_codes_reads_the_group_from_the_scales():
+    w = np.random.default_rng(5).normal(0, 0.02, (8, 256)).astype(np.float32)
+    rtn = bitnest.quantize_planes(w, 32)
+    assert rtn.scales.shape == (8, 8)
+    assert np.array_equal(rtn.scales, bitnest.weight_scales(w, 32))
+    codes = bitnest.unpack_nibbles(rtn.hi).astype(np.int64) - 8
+    again = bitnest.planes_from_codes(w, codes, rtn.scales)  # group 32, from the scales' shape
+    assert np.array_equal(again.lo, rtn.lo)
+    with pytest.raises(ValueError, match=r"expected \[8, 4\]"):
+        bitnest.planes_from_codes(w, codes, rtn.scales, group_size=64)
+    with pytest.raises(ValueError, match="group_size 48"):
+        bitnest.quantize_planes(w, 48)
+
+
+def _planes_for(config: dict, groups: dict[str, int]) -> dict[str, bitnest.Planes]:
+    rng = np.random.default_rng(6)
+    return {
+        lin: bitnest.quantize_planes(rng.normal(0, 0.02, shape).astype(np.float32), groups[lin])
+        for lin, shape in bitnest.linear_shapes(config).items()
+    }
+
+
+def test_writer_infers_the_group_and_refuses_planes_that_disagree(tmp_path):
+    _, config = float_weights(n_layers=1)
+    lins = bitnest.linear_shapes(config)
+    kw = dict(biases={}, embed=np.zeros((257, 256), np.float32), had_k=None)
+    pkg = bitnest.writer.write(
+        tmp_path / "g32", config, _planes_for(config, dict.fromkeys(lins, 32)), **kw
+    )
+    assert bitnest.read(pkg).spec.group_size == 32
+    mixed = _planes_for(config, {**dict.fromkeys(lins, 128), "lm_head": 64})
+    with pytest.raises(PackageError, match="expected one group size for every Linear"):
+        bitnest.writer.write(tmp_path / "mixed", config, mixed, **kw)
+    with pytest.raises(PackageError, match="group_size 48"):
+        bitnest.writer.write(tmp_path / "g48", config, mixed, group_size=48, **kw)
+    assert not (tmp_path / "g48").exists()
