@@ -19,7 +19,7 @@ calibration set ([tokens, hidden] float32) plus one chunk's activations.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -64,7 +64,12 @@ class FloatLinear(DualPlaneLinear):
     """A float weight in a DualPlaneLinear's place: `project` (A8, bias) treats it as a Linear
     on the pure path, and `_pure` sees the input exactly as the planes would."""
 
-    def __init__(self, weight: np.ndarray, bias: np.ndarray | None, record: HessianSum | None):
+    def __init__(
+        self,
+        weight: np.ndarray,
+        bias: np.ndarray | None,
+        record: Callable[[mx.array], None] | None = None,
+    ):
         nn.Module.__init__(self)
         self.weight = mx.array(np.asarray(weight, np.float32))
         if bias is not None:
@@ -73,7 +78,7 @@ class FloatLinear(DualPlaneLinear):
 
     def _pure(self, x: mx.array, draft: bool, dense_min_rows: int = 0) -> mx.array:
         if self._record is not None:
-            self._record.add(x)
+            self._record(x)
         return x @ self.weight.T
 
 
@@ -138,33 +143,33 @@ class Calibration:
             if update:
                 self.h[rows] = np.array(out)
 
-    def hessians(
-        self, layer: int, weights: Mapping[str, np.ndarray], quantize_activations: bool = True
-    ) -> dict[str, np.ndarray]:
-        """{Linear name (as in LAYER_LINEARS): its input's Hessian [K, K] float64} of layer
+    def hessians(self, layer: int, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """{Linear name (as in LAYER_LINEARS): its A8 input's Hessian [K, K] float64} of layer
         `layer` with float `weights` ({"self_attn.q_proj.weight": [N, K], biases...}); the
         hidden states are left as they were."""
+        sums = {
+            name: HessianSum(weights[f"{name}.weight"].shape[1])
+            for name in LAYER_LINEARS
+            if name not in SHARED_INPUT
+        }
+        block = self._float_block(layer, weights, {n: s.add for n, s in sums.items()})
+        self._run(block, _FLOAT, update=False)
+        return {name: sums[SHARED_INPUT.get(name, name)].value() for name in LAYER_LINEARS}
+
+    def _float_block(
+        self,
+        layer: int,
+        weights: Mapping[str, np.ndarray],
+        records: Mapping[str, Callable[[mx.array], None]],
+    ) -> nn.Module:
         block = _block(self.spec, layer)
         self._fixed_parts(block, layer)
-        sums = {}
         for name in LAYER_LINEARS:
-            record = None
-            if name not in SHARED_INPUT:
-                sums[name] = record = HessianSum(weights[f"{name}.weight"].shape[1])
-            _set_linear(
-                block,
-                name,
-                FloatLinear(weights[f"{name}.weight"], weights.get(f"{name}.bias"), record),
+            linear = FloatLinear(
+                weights[f"{name}.weight"], weights.get(f"{name}.bias"), records.get(name)
             )
-        options = (
-            _FLOAT
-            if quantize_activations
-            else RunOptions(
-                mode="target", quantize_activations=False, quantize_kv=False, use_kernels=False
-            )
-        )
-        self._run(block, options, update=False)
-        return {name: sums[SHARED_INPUT.get(name, name)].value() for name in LAYER_LINEARS}
+            _set_linear(block, name, linear)
+        return block
 
     def advance(
         self, layer: int, planes: Mapping[str, Planes], biases: Mapping[str, np.ndarray]
@@ -187,21 +192,30 @@ class Calibration:
             linear.load_weights([(k.removeprefix(name + "."), v) for k, v in params.items()])
         self._run(block, _DRAFT, update=True)
 
-    def float_advance(self, layer: int, weights: Mapping[str, np.ndarray], a8_on: bool) -> None:
+    def float_advance(
+        self,
+        layer: int,
+        weights: Mapping[str, np.ndarray],
+        quantize_activations: bool = False,
+        capture: tuple[str, ...] = (),
+    ) -> dict[str, np.ndarray]:
         """The hidden states through layer `layer` with float weights (A8 on or off): the
-        reference forward of the float model, for smoothing and for tests."""
-        block = _block(self.spec, layer)
-        self._fixed_parts(block, layer)
-        for name in LAYER_LINEARS:
-            _set_linear(
-                block,
-                name,
-                FloatLinear(weights[f"{name}.weight"], weights.get(f"{name}.bias"), None),
-            )
+        float model's forward, for smoothing and tests. Returns the inputs of the `capture`d
+        Linears (LAYER_LINEARS names), [tokens, K] float32, as they reach the Linear."""
+        seen: dict[str, list[np.ndarray]] = {name: [] for name in capture}
+        records = {name: (lambda x, out=seen[name]: out.append(np.array(x))) for name in capture}
+        block = self._float_block(layer, weights, records)
         options = RunOptions(
-            mode="target", quantize_activations=a8_on, quantize_kv=False, use_kernels=False
+            mode="target",
+            quantize_activations=quantize_activations,
+            quantize_kv=False,
+            use_kernels=False,
         )
         self._run(block, options, update=True)
+        return {
+            name: np.concatenate([x.reshape(-1, x.shape[-1]) for x in xs])
+            for name, xs in seen.items()
+        }
 
     def normed(self, norm: str | None = None) -> np.ndarray:
         """The RMSNorm of the hidden states [tokens, D] (times the smoothing vector of `norm`

@@ -1,6 +1,6 @@
-"""Float Llama/Qwen2 weights -> a package: norms folded, R4 fused into down_proj, planes chosen.
-
-The writer in formats/ only lays out planes; everything that changes float weights lives here.
+"""Float Llama/Qwen2 weights -> what a package stores, a layer at a time: norms folded, rotated,
+smoothed, R4 fused into down_proj. The writer in formats/ only lays out planes; everything that
+changes float weights lives here.
 """
 
 from __future__ import annotations
@@ -10,30 +10,34 @@ from pathlib import Path
 
 import numpy as np
 
-from ..formats.bitnest import (
-    ARCHS,
-    GROUP_SIZE,
-    LAYER_LINEARS,
-    PackageError,
-    Planes,
-    linear_shapes,
-    norm_names,
-    norm_readers,
-    quantize_planes,
-    writer,
-)
-from ..formats.hadamard import hadamard_k, r4_transform, split_k
+from ..formats.bitnest import LAYER_LINEARS, Planes, norm_readers
+from ..formats.hadamard import r4_transform
+from .rotation import Rotation
+
+# The norm each layer's Linears read, and the Linears that read it.
+LAYER_NORMS = {
+    "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
+}
 
 
-def _rope_params(config: dict) -> tuple[float, dict | None]:
-    """(theta, scaling) from a config dict: transformers 5 nests both in `rope_parameters`."""
-    theta, scaling = config.get("rope_theta"), config.get("rope_scaling")
-    params = config.get("rope_parameters")
-    if isinstance(params, dict):
-        theta = params.get("rope_theta", theta)
-        if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
-            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    return (10000.0 if theta is None else float(theta)), scaling
+def layer_names(i: int) -> list[str]:
+    """The float tensors layer i must have (HF names)."""
+    p = f"model.layers.{i}."
+    return [f"{p}{lin}.weight" for lin in LAYER_LINEARS] + [
+        f"{p}{norm}.weight" for norm in LAYER_NORMS
+    ]
+
+
+def fold_layer(w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One layer (names relative to it) with each RMSNorm gamma multiplied into the Linears
+    that read it (exact); the norm weights are dropped: the package's norms are weightless."""
+    w = dict(w)
+    for norm, linears in LAYER_NORMS.items():
+        gamma = w.pop(f"{norm}.weight")
+        for lin in linears:
+            w[f"{lin}.weight"] = w[f"{lin}.weight"] * gamma
+    return w
 
 
 def fold_norms(weights: Mapping[str, np.ndarray], num_layers: int) -> dict[str, np.ndarray]:
@@ -42,14 +46,10 @@ def fold_norms(weights: Mapping[str, np.ndarray], num_layers: int) -> dict[str, 
     w = {k: np.asarray(v, dtype=np.float32) for k, v in weights.items()}
     for i in range(num_layers):
         p = f"model.layers.{i}."
-        for norm, linears in (
-            ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-            ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-        ):
-            gamma = w[f"{p}{norm}.weight"]
-            for lin in linears:
-                w[f"{p}{lin}.weight"] = w[f"{p}{lin}.weight"] * gamma
-            w[f"{p}{norm}.weight"] = np.ones_like(gamma)
+        layer = fold_layer({k.removeprefix(p): v for k, v in w.items() if k.startswith(p)})
+        w.update({p + k: v for k, v in layer.items()})
+        for norm in LAYER_NORMS:
+            w[f"{p}{norm}.weight"] = np.ones_like(w[f"{p}{norm}.weight"])
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
     w["lm_head.weight"] = head * w["model.norm.weight"]
     w["model.norm.weight"] = np.ones_like(w["model.norm.weight"])
@@ -65,8 +65,59 @@ def smooth_linears(
     w = dict(weights)
     for norm, d in vectors.items():
         for lin in norm_readers(norm):
-            w[f"{lin}.weight"] = (w[f"{lin}.weight"] / np.asarray(d, np.float32)).astype(np.float32)
+            if f"{lin}.weight" in w:
+                w[f"{lin}.weight"] = (w[f"{lin}.weight"] / np.asarray(d, np.float32)).astype(
+                    np.float32
+                )
     return w
+
+
+def stored_layer(
+    source,
+    i: int,
+    rotation: Rotation | None,
+    smoothing: Mapping[str, np.ndarray] | None,
+    had_k: np.ndarray | None,
+) -> dict[str, np.ndarray]:
+    """Layer i's float weights as the package stores them before quantization, names relative
+    to the layer ("self_attn.q_proj.weight", biases too): folded, rotated, smoothed, R4 fused."""
+    p = f"model.layers.{i}."
+    available = set(source.names())
+    names = layer_names(i) + [
+        f"{p}{lin}.bias" for lin in LAYER_LINEARS if f"{p}{lin}.bias" in available
+    ]
+    w = fold_layer({n.removeprefix(p): source.tensor(n) for n in names})
+    if rotation is not None:
+        w = rotation.layer(w, i)
+    if smoothing:
+        full = smooth_linears({p + k: v for k, v in w.items()}, smoothing)
+        w = {k.removeprefix(p): v for k, v in full.items()}
+    # Rows get x -> T x with T = (hadK ⊗ H)/sqrt(n) orthogonal: W' = W Tᵀ, W' (T a) = W a.
+    w["mlp.down_proj.weight"] = r4_transform(w["mlp.down_proj.weight"], had_k)
+    return w
+
+
+def stored_embedding(source, rotation: Rotation | None) -> np.ndarray:
+    """The embedding [V, D] float32 as stored (rotated; the package rounds it to bf16)."""
+    e = source.tensor("model.embed_tokens.weight")
+    return e if rotation is None else rotation.rows(e, inplace=True)
+
+
+def stored_head(
+    source, rotation: Rotation | None, smoothing: Mapping[str, np.ndarray] | None
+) -> np.ndarray:
+    """lm_head [V, D] float32 as stored before quantization: the source's (or the tied
+    embedding), the final norm's gamma folded in, rotated, divided by the final norm's
+    smoothing vector when it has one."""
+    name = "lm_head.weight" if "lm_head.weight" in source.names() else "model.embed_tokens.weight"
+    head = source.tensor(name)
+    head *= source.tensor("model.norm.weight")
+    if rotation is not None:
+        head = rotation.rows(head, inplace=True)
+    d = (smoothing or {}).get("model.norm.weight")
+    if d is not None:
+        head /= np.asarray(d, np.float32)
+    return head
 
 
 def write_package(
@@ -82,91 +133,32 @@ def write_package(
     r3: bool = False,
     kv_group: int | None = None,
     smoothing: Mapping[str, np.ndarray] | None = None,
+    group_size: int | None = None,
 ) -> Path:
-    """Write float Llama/Qwen2 weights (HF names) as a package: norms folded, R4 fused, RTN.
+    """Write float Llama/Qwen2 weights (HF names) as a package: norms folded, R4 fused, RTN
+    (no rotation, no calibration; `convert.convert` does those), through the converter's own
+    streaming pipeline.
 
-    `smoothing` ({norm weight name: d [D] > 0}, e.g. `convert.smoothing.smoothing_vectors(...)
-    .vectors`) stores d as those norm weights and divides the columns of the Linears reading them
-    by d after folding (`smooth_linears`): the package says `norms.smoothing: true` (§2.5).
-
-    `quantize(name, w)` replaces RTN (e.g. GPTQ hi codes via `planes_from_codes`); it is called
-    once per Linear in forward order (layer 0 q, k, v, o, gate, up, down, layer 1, ..., lm_head)
-    with the weight as stored (norms folded, R4 fused into down_proj). The other keywords go to
-    `formats.bitnest.writer.write`.
+    `smoothing` ({norm weight name: d [D] > 0}) stores d as those norm weights and divides the
+    columns of the Linears reading them by d after folding (`smooth_linears`): the package says
+    `norms.smoothing: true` (§2.5). `quantize(name, w)` replaces RTN (e.g. GPTQ hi codes via
+    `planes_from_codes`); it is called once per Linear in forward order (layer 0 q, k, v, o,
+    gate, up, down, layer 1, ..., lm_head) with the weight as stored (norms folded, R4 fused).
     """
-    arch = config.get("model_type")
-    if arch not in ARCHS:
-        raise PackageError(f"model_type {arch!r} is not one of {ARCHS}")
-    config = dict(config)
-    config["rope_theta"], config["rope_scaling"] = _rope_params(config)
-    config.setdefault("num_key_value_heads", config["num_attention_heads"])
-    config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
-    names = [
-        f"model.layers.{i}.{lin}"
-        for i in range(config["num_hidden_layers"])
-        for lin in LAYER_LINEARS
-    ] + ["lm_head"]
-    # Checked up front so a bad input fails before any file is written.
-    required = [f"{lin}.weight" for lin in names[:-1]] + [
-        f"model.layers.{i}.{norm}.weight"
-        for i in range(config["num_hidden_layers"])
-        for norm in ("input_layernorm", "post_attention_layernorm")
-    ]
-    required += ["model.embed_tokens.weight", "model.norm.weight"]
-    missing = [n for n in required if n not in weights]
-    if missing:
-        raise PackageError(f"write: missing float weight {missing[0]} (expected HF tensor names)")
-    # The reader derives every shape from the config dims: a weight that disagrees would give a
-    # package that `read` refuses, so refuse it here, naming the weight.
-    head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
-    for lin, shape in linear_shapes(config).items():
-        wname = head if lin == "lm_head" else f"{lin}.weight"
-        got = list(np.shape(weights[wname]))
-        if got != list(shape):
-            raise PackageError(f"write: {wname} has shape {got}; the config implies {list(shape)}")
-        if shape[1] % GROUP_SIZE:
-            raise PackageError(
-                f"write: {wname} has shape {got}; expected K (the last dim) to be a multiple of "
-                f"{GROUP_SIZE}"
-            )
-    n_inter = config["intermediate_size"]
-    try:
-        k = split_k(n_inter)
-    except ValueError as e:
-        raise PackageError(f"write: {e}") from e
-    had = hadamard_k(k) if k > 1 else None
+    from .pipeline import build
+    from .sources import Source
 
-    w = fold_norms(weights, config["num_hidden_layers"])
-    if smoothing is not None:
-        known = set(norm_names(config["num_hidden_layers"]))
-        for norm, d in smoothing.items():
-            d = np.asarray(d)
-            ok = d.shape == (config["hidden_size"],) and np.all(np.isfinite(d) & (d > 0))
-            if norm not in known or not ok:  # checked before any file is written
-                raise PackageError(
-                    f"write: smoothing vector {norm} {list(d.shape)}: expected a norm weight "
-                    f"name of this model and [{config['hidden_size']}] finite positive values"
-                )
-        w = smooth_linears(w, smoothing)
-    planes: dict[str, Planes] = {}
-    for lin in names:
-        wt = w[f"{lin}.weight"]
-        if lin.endswith("down_proj"):
-            # Rows get x -> T x with T = (hadK ⊗ H)/sqrt(n) orthogonal: W' = W Tᵀ, W' (T a) = W a.
-            wt = r4_transform(wt, had)
-        planes[lin] = quantize(lin, wt) if quantize is not None else quantize_planes(wt)
-    return writer.write(
+    tok = Path(tokenizer_dir) if tokenizer_dir is not None else None
+    source = Source.from_arrays(weights, config, tok, name or Path(out_dir).name)
+    return build(
         out_dir,
-        config,
-        planes,
-        biases={lin: w[f"{lin}.bias"] for lin in names if f"{lin}.bias" in w},
-        embed=w["model.embed_tokens.weight"],
-        had_k=had,
-        tokenizer_dir=tokenizer_dir,
+        source,
+        quantize=quantize,
         name=name,
         source_model=source_model,
         notes=notes,
         r3=r3,
         kv_group=kv_group,
-        norms=None if smoothing is None else dict(smoothing),
+        smoothing=smoothing,
+        group_size=group_size,
     )

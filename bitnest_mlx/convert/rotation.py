@@ -31,27 +31,36 @@ def _hadamard(n: int) -> np.ndarray:
     return np.kron(hadamard_k(k), hadamard_k(n // k)) / np.sqrt(n)
 
 
-def rotate(
-    weights: dict[str, np.ndarray], config: dict, kind: str = "hadamard", seed: int = 0
-) -> dict[str, np.ndarray]:
-    """Apply R1 (hidden) and R2 (per value head) to norm-folded float weights."""
-    if kind == "none":
-        return weights
-    rng = np.random.default_rng(seed)
-    d, hd = config["hidden_size"], config["head_dim"]
-    n_kv, n_heads = config["num_key_value_heads"], config["num_attention_heads"]
-    r1 = orthogonal(d, kind, rng)
+class Rotation:
+    """R1 and the per-layer R2s of one conversion, drawn in a fixed order from `seed` (R1, then
+    R2 of layer 0, 1, ...), applied a layer (or a row block of the embedding) at a time."""
 
-    def mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        # float64 products keep the fused model equal to the original to ~1e-7; stored float32.
-        return (np.asarray(a, np.float64) @ np.asarray(b, np.float64)).astype(np.float32)
+    def __init__(self, config: dict, kind: str = "hadamard", seed: int = 0):
+        rng = np.random.default_rng(seed)
+        d, hd = config["hidden_size"], config["head_dim"]
+        self.n_kv, self.n_heads, self.d, self.hd = (
+            config["num_key_value_heads"],
+            config["num_attention_heads"],
+            d,
+            hd,
+        )
+        self.r1 = orthogonal(d, kind, rng)
+        self.r2 = [orthogonal(hd, kind, rng) for _ in range(config["num_hidden_layers"])]
 
-    w = dict(weights)
-    w["model.embed_tokens.weight"] = mm(w["model.embed_tokens.weight"], r1.T)
-    w["lm_head.weight"] = mm(w["lm_head.weight"], r1.T)
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        r2 = orthogonal(hd, kind, rng)
+    def rows(self, w: np.ndarray, block: int = 8192, inplace: bool = False) -> np.ndarray:
+        """W R1ᵀ for a matrix whose columns live in the residual stream (embedding, lm_head),
+        a block of rows at a time: the float64 product of a whole vocabulary would be GBs.
+        `inplace` overwrites w (float32) instead of allocating a second [V, D] copy."""
+        out = w if inplace and w.dtype == np.float32 else np.empty(w.shape, dtype=np.float32)
+        for r in range(0, len(w), block):
+            out[r : r + block] = _mm(w[r : r + block], self.r1.T)
+        return out
+
+    def layer(self, w: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
+        """One layer's norm-folded float weights (names relative to the layer, e.g.
+        "self_attn.q_proj.weight") rotated: inputs by R1ᵀ, outputs by R1, v heads by R2."""
+        d, hd, r2 = self.d, self.hd, self.r2[i]
+        w = dict(w)
         for lin in (
             "self_attn.q_proj",
             "self_attn.k_proj",
@@ -59,14 +68,37 @@ def rotate(
             "mlp.gate_proj",
             "mlp.up_proj",
         ):
-            w[f"{p}{lin}.weight"] = mm(w[f"{p}{lin}.weight"], r1.T)
+            w[f"{lin}.weight"] = _mm(w[f"{lin}.weight"], self.r1.T)
         for lin in ("self_attn.o_proj", "mlp.down_proj"):
-            w[f"{p}{lin}.weight"] = mm(r1, w[f"{p}{lin}.weight"])
-        v = w[f"{p}self_attn.v_proj.weight"].reshape(n_kv, hd, d)
-        w[f"{p}self_attn.v_proj.weight"] = mm(r2, v).reshape(n_kv * hd, d)
-        if f"{p}self_attn.v_proj.bias" in w:
-            b = w[f"{p}self_attn.v_proj.bias"].reshape(n_kv, hd)
-            w[f"{p}self_attn.v_proj.bias"] = mm(b, r2.T).reshape(-1)
-        o = w[f"{p}self_attn.o_proj.weight"].reshape(d, n_heads, hd)
-        w[f"{p}self_attn.o_proj.weight"] = mm(o, r2.T).reshape(d, n_heads * hd)
+            w[f"{lin}.weight"] = _mm(self.r1, w[f"{lin}.weight"])
+        v = w["self_attn.v_proj.weight"].reshape(self.n_kv, hd, d)
+        w["self_attn.v_proj.weight"] = _mm(r2, v).reshape(self.n_kv * hd, d)
+        if "self_attn.v_proj.bias" in w:
+            b = w["self_attn.v_proj.bias"].reshape(self.n_kv, hd)
+            w["self_attn.v_proj.bias"] = _mm(b, r2.T).reshape(-1)
+        o = w["self_attn.o_proj.weight"].reshape(d, self.n_heads, hd)
+        w["self_attn.o_proj.weight"] = _mm(o, r2.T).reshape(d, self.n_heads * hd)
+        return w
+
+
+def _mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    # float64 products keep the fused model equal to the original to ~1e-7; stored float32.
+    return (np.asarray(a, np.float64) @ np.asarray(b, np.float64)).astype(np.float32)
+
+
+def rotate(
+    weights: dict[str, np.ndarray], config: dict, kind: str = "hadamard", seed: int = 0
+) -> dict[str, np.ndarray]:
+    """Apply R1 (hidden) and R2 (per value head) to a whole model's norm-folded float weights
+    (HF names): `Rotation` over every layer."""
+    if kind == "none":
+        return weights
+    rot = Rotation(config, kind, seed)
+    w = dict(weights)
+    w["model.embed_tokens.weight"] = rot.rows(w["model.embed_tokens.weight"])
+    w["lm_head.weight"] = rot.rows(w["lm_head.weight"])
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        layer = {k.removeprefix(p): v for k, v in w.items() if k.startswith(p)}
+        w.update({p + k: v for k, v in rot.layer(layer, i).items()})
     return w

@@ -10,8 +10,9 @@ small grid; α = 0 (d = 1) stays unless another α lowers the joint output error
 λ_d·e4/e4(0) + λ_t·e8/e8(0) of the Linears reading the norm, where
 eN = ||A8(x·d)·RTN_N(W/d)ᵀ - x·Wᵀ||² / ||x·Wᵀ||² over (a sample of) the calibration rows.
 
-The search runs a float forward of the model (numpy, the weights as given: rotated, norms
-folded or not) layer by layer; `measure` reports the choice for a checkpoint without writing one.
+The search runs the float model through the runtime's forward (`calibrate.Calibration`, A8 off)
+layer by layer, reading each layer from the source as the converter does; `measure` reports the
+choice for a checkpoint without writing one.
 """
 
 from __future__ import annotations
@@ -22,11 +23,16 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.rope_utils import initialize_rope
 
-from ..formats.bitnest import a8, dequantize_planes, norm_readers, quantize_planes
+from ..formats.bitnest import GROUP_SIZE, a8, choose_group_size, dequantize_planes, quantize_planes
+from ..formats.bitnest.writer import PackageWriter
+from ..formats.hadamard import hadamard_k, split_k
 from .calib import CALIB_TOKENS
-from .package import _rope_params
+from .calibrate import Calibration
+from .package import LAYER_NORMS, stored_embedding, stored_head, stored_layer
+from .pipeline import complete_config
+from .rotation import Rotation
+from .sources import Source
 
 DEFAULT_ALPHAS = (0.0, 0.25, 0.5)
 
@@ -74,66 +80,40 @@ class Smoothing:
         return "\n".join(lines)
 
 
-def _rms_norm(x: np.ndarray, eps: float) -> np.ndarray:
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
-
-
-def _dims(config: dict) -> tuple[int, int, int]:
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    return heads, kv_heads, config.get("head_dim") or config["hidden_size"] // heads
-
-
 def norm_inputs(
-    weights: Mapping[str, np.ndarray], config: dict, tokens: np.ndarray
-) -> Iterator[tuple[str, np.ndarray]]:
-    """(norm weight name, the weightless RMSNorm's output [n_tokens, D]) for every norm in
-    forward order (final norm last), from a float32 forward over `tokens` [n_seq, seq_len].
-
-    Norm gammas in `weights` are applied in the forward (they are ones once folded); the yielded
-    x is before the gamma, as the stored Linears see it after folding."""
-    c, eps = config, config["rms_norm_eps"]
-    heads, kv_heads, hd = _dims(c)
-    theta, scaling = _rope_params(c)
-    rope = initialize_rope(hd, theta, False, scaling, c.get("max_position_embeddings", 4096))
-    h = np.asarray(weights["model.embed_tokens.weight"], np.float32)[tokens]
-    b, t, d = h.shape
-    causal = np.tril(np.ones((t, t), dtype=bool))
-
-    def gamma(name: str) -> np.ndarray:
-        return np.asarray(weights.get(name, np.ones(d)), np.float32)
-
-    def lin(x: np.ndarray, name: str) -> np.ndarray:
-        y = x @ np.asarray(weights[f"{name}.weight"], np.float32).T
-        bias = weights.get(f"{name}.bias")
-        return y if bias is None else y + np.asarray(bias, np.float32)
-
-    def heads_first(y: np.ndarray, n: int) -> np.ndarray:
-        return y.reshape(b, t, n, hd).transpose(0, 2, 1, 3)
-
-    for i in range(c["num_hidden_layers"]):
+    source, config: dict, tokens: np.ndarray, rotation: Rotation | None = None
+) -> Iterator[tuple[str, np.ndarray, dict[str, np.ndarray]]]:
+    """(norm weight name, the weightless RMSNorm's output [n_tokens, D], {Linear name: its
+    weight as stored}) for every norm in forward order (final norm last), from the float model's
+    forward over `tokens` [n_seq, seq_len]. `source` is a `sources.Source` or a
+    `Source.from_arrays`; layers are read, folded and rotated one at a time."""
+    config = complete_config(config)
+    available = set(source.names())
+    k = split_k(config["intermediate_size"])
+    had = hadamard_k(k) if k > 1 else None
+    spec = PackageWriter.spec_for(
+        config,
+        biased={n.removesuffix(".bias") for n in available if n.endswith(".bias")},
+        had_k=had,
+        group_size=choose_group_size([config["hidden_size"], config["intermediate_size"]]),
+    )
+    embed = mx.array(stored_embedding(source, rotation))
+    calib = Calibration(spec, embed, tokens, had)
+    del embed
+    readers = {"self_attn.q_proj": "input_layernorm", "mlp.gate_proj": "post_attention_layernorm"}
+    for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        x = _rms_norm(h, eps)
-        yield p + "input_layernorm.weight", x.reshape(-1, d)
-        xg = x * gamma(p + "input_layernorm.weight")
-        q = np.array(rope(mx.array(heads_first(lin(xg, p + "self_attn.q_proj"), heads))))
-        k = np.array(rope(mx.array(heads_first(lin(xg, p + "self_attn.k_proj"), kv_heads))))
-        v = heads_first(lin(xg, p + "self_attn.v_proj"), kv_heads)
-        k, v = (np.repeat(a, heads // kv_heads, axis=1) for a in (k, v))
-        scores = np.where(causal, q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd), -np.inf)
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        o = (probs / probs.sum(-1, keepdims=True)) @ v
-        h = h + lin(o.transpose(0, 2, 1, 3).reshape(b, t, heads * hd), p + "self_attn.o_proj")
-        x = _rms_norm(h, eps)
-        yield p + "post_attention_layernorm.weight", x.reshape(-1, d)
-        xg = x * gamma(p + "post_attention_layernorm.weight")
-        g = lin(xg, p + "mlp.gate_proj")
-        silu = g * 0.5 * (1 + np.tanh(g / 2))  # g·sigmoid(g), without exp overflow
-        h = h + lin(silu * lin(xg, p + "mlp.up_proj"), p + "mlp.down_proj")
-    yield "model.norm.weight", _rms_norm(h, eps).reshape(-1, d)
+        w = stored_layer(source, i, rotation, None, had)
+        xs = calib.float_advance(i, w, capture=tuple(readers))
+        for lin, norm in readers.items():
+            linears = {f"{p}{r}": w[f"{r}.weight"] for r in LAYER_NORMS[norm]}
+            yield f"{p}{norm}.weight", xs[lin], linears
+    yield "model.norm.weight", calib.normed(), {"lm_head": stored_head(source, rotation, None)}
 
 
-def output_errors(x: np.ndarray, linears: Sequence[np.ndarray], d: np.ndarray) -> tuple:
+def output_errors(
+    x: np.ndarray, linears: Sequence[np.ndarray], d: np.ndarray, group_size: int = GROUP_SIZE
+) -> tuple:
     """(e4, e8): ||A8(x·d)·Q(W/d)ᵀ - x·Wᵀ||² / ||x·Wᵀ||² summed over `linears` (the weights
     [N, D] reading x [n, D]), Q = the writer's RTN planes read as W4 and as W8."""
     x = x.astype(np.float64)
@@ -142,7 +122,7 @@ def output_errors(x: np.ndarray, linears: Sequence[np.ndarray], d: np.ndarray) -
     for w in linears:
         y = x @ w.T.astype(np.float64)
         ref += float(np.sum(y * y))
-        p = quantize_planes((w / d).astype(np.float32))
+        p = quantize_planes((w / d).astype(np.float32), group_size)
         for j, draft in enumerate((True, False)):
             diff = x8 @ dequantize_planes(p.hi, p.lo, p.scales, draft=draft).T - y
             err[j] += float(np.sum(diff * diff))
@@ -159,10 +139,12 @@ def smoothing_vector(x: np.ndarray, alpha: float) -> np.ndarray:
 
 
 def smoothing_vectors(
-    weights: Mapping[str, np.ndarray],
+    weights: Mapping[str, np.ndarray] | None,
     config: dict,
     tokens: np.ndarray,
     *,
+    source=None,
+    rotation: Rotation | None = None,
     alphas: Sequence[float] = DEFAULT_ALPHAS,
     lambda_draft: float = 0.5,
     lambda_target: float = 0.5,
@@ -170,10 +152,12 @@ def smoothing_vectors(
     max_rows: int = 1024,
     max_out: int = 2048,
     seed: int = 0,
+    group_size: int | None = None,
     progress=None,
 ) -> Smoothing:
     """Choose α per norm (module docstring) for the weights as they will be stored (HF names,
-    rotated; gammas folded or not) from a float forward over `tokens` [n_seq, seq_len].
+    rotated; gammas folded or not) from a float forward over `tokens` [n_seq, seq_len]; or, with
+    `weights` None, for a `source` read a layer at a time and rotated by `rotation`.
 
     An α ≠ 0 must cut the joint error by `min_gain` (1 %), else the norm stays unsmoothed: a
     vector that only fits the sample is not worth storing. The error is measured on `max_rows`
@@ -185,6 +169,7 @@ def smoothing_vectors(
     candidates = [a for a in grid if a != 0.0]
     rng = np.random.default_rng(seed)
     d_model = config["hidden_size"]
+    group = choose_group_size([d_model, config["intermediate_size"]], group_size)
     result = Smoothing(
         settings={
             "alphas": grid,
@@ -196,22 +181,23 @@ def smoothing_vectors(
         }
     )
     rows = None
-    for norm, x in norm_inputs(weights, config, tokens):
+    if weights is not None:
+        source = Source.from_arrays(weights, config)
+    for norm, x, stored in norm_inputs(source, config, tokens, rotation):
         if rows is None:
             rows = np.sort(rng.choice(len(x), min(max_rows, len(x)), replace=False))
-        gamma = np.asarray(weights.get(norm, np.ones(d_model)), np.float32)
         linears = []
-        for lin in norm_readers(norm):
-            w = weights.get(f"{lin}.weight", weights.get("model.embed_tokens.weight"))
+        for w in stored.values():
             keep = np.sort(rng.choice(len(w), min(max_out, len(w)), replace=False))
-            linears.append(np.asarray(w[keep], np.float32) * gamma)  # as stored: gamma folded
+            linears.append(np.asarray(w[keep], np.float32))
+        del stored
         xs = x[rows]
-        base = output_errors(xs, linears, np.ones(d_model, np.float32))
+        base = output_errors(xs, linears, np.ones(d_model, np.float32), group)
         # J(0) = λ_d + λ_t; another α must beat it by min_gain.
         best = ((1 - min_gain) * (lambda_draft + lambda_target), 0.0, base, None)
         for alpha in candidates:
             d = smoothing_vector(x, alpha)
-            e = output_errors(xs, linears, d)
+            e = output_errors(xs, linears, d, group)
             score = lambda_draft * e[0] / base[0] + lambda_target * e[1] / base[1]
             if score < best[0]:
                 best = (score, alpha, e, d)
@@ -268,17 +254,12 @@ def _measure(source, calib, calib_tokens, calib_seq_len, rotate_kind, seed, sear
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from .calib import calibration_tokens
-    from .package import fold_norms
-    from .rotation import rotate
 
-    config = source.config
-    weights = rotate(
-        fold_norms(source.weights, config["num_hidden_layers"]), config, rotate_kind, seed
-    )
-    del source.weights
+    config = complete_config(source.config)
+    rotation = None if rotate_kind == "none" else Rotation(config, rotate_kind, seed)
     tokens = calibration_tokens(
         load_tokenizer(Path(source.tokenizer_dir)), calib, calib_tokens, calib_seq_len
     )
-    result = smoothing_vectors(weights, config, tokens, **search)
+    result = smoothing_vectors(None, config, tokens, source=source, rotation=rotation, **search)
     print(result.table())
     return result

@@ -225,6 +225,14 @@ class PackageWriter:
         """The model description a reader will derive from this package."""
         return PackageSpec.from_package(self.manifest, self.package_config)
 
+    @classmethod
+    def spec_for(cls, config: dict, **kwargs) -> PackageSpec:
+        """The spec of the package these arguments would write, without writing one."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            return cls(tmp, config, **kwargs).spec
+
     def add(self, name: str, array: mx.array | np.ndarray) -> None:
         if name in self._written or name in self._pending:
             raise PackageError(f"write: tensor {name} given twice")

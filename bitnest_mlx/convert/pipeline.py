@@ -1,0 +1,244 @@
+"""The converter's one pipeline, a layer at a time: read a layer's float weights from the source,
+fold / rotate / smooth / fuse R4 (`package.py`), calibrate it through the runtime's forward
+(`calibrate.py`), choose its planes (`methods.py`), hand them to the streaming writer, and move
+the calibration's hidden states through the quantized layer. Memory holds one layer's float
+weights, the embedding (bf16), the calibration state and one shard of planes; lm_head is read
+last.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from tqdm import tqdm
+
+from ..formats.bitnest import (
+    ARCHS,
+    LAYER_LINEARS,
+    WEIGHT_GROUPS,
+    PackageError,
+    Planes,
+    choose_group_size,
+    linear_shapes,
+)
+from ..formats.bitnest.writer import PackageWriter
+from ..formats.hadamard import hadamard_k, split_k
+from .calibrate import Calibration
+from .methods import Method
+from .package import layer_names, stored_embedding, stored_head, stored_layer
+from .rope import rope_params
+from .rotation import Rotation
+from .stages import Stages
+
+# Quantizes one Linear: (full name, stored float weight [N, K], input Hessian or None)
+# -> (planes, per-Linear diagnostics for the manifest).
+Quantizer = Callable[[str, np.ndarray, np.ndarray | None], tuple[Planes, dict]]
+
+
+def complete_config(config: dict) -> dict:
+    """The config with what the package needs resolved: kv heads, head_dim, RoPE (transformers
+    5 keeps it under `rope_parameters`); refuses an architecture the format does not cover."""
+    arch = config.get("model_type")
+    if arch not in ARCHS:
+        raise PackageError(f"model_type {arch!r} is not one of {ARCHS}")
+    config = dict(config)
+    config["rope_theta"], config["rope_scaling"] = rope_params(config)
+    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    config["head_dim"] = config.get("head_dim") or (
+        config["hidden_size"] // config["num_attention_heads"]
+    )
+    return config
+
+
+def _check_source(source, config: dict, group_size: int | None) -> int:
+    """Every tensor present (and shaped as the config implies, where the source can say without
+    reading it) before anything is written; returns the weight group size."""
+    available = set(source.names())
+    n = config["num_hidden_layers"]
+    required = [name for i in range(n) for name in layer_names(i)]
+    required += ["model.embed_tokens.weight", "model.norm.weight"]
+    missing = [name for name in required if name not in available]
+    if missing:
+        raise PackageError(f"write: missing float weight {missing[0]} (expected HF tensor names)")
+    shape_of = getattr(source, "shape", None)
+    shapes = linear_shapes(config)
+    head = "lm_head.weight" if "lm_head.weight" in available else "model.embed_tokens.weight"
+    if shape_of is not None:
+        for lin, shape in shapes.items():
+            wname = head if lin == "lm_head" else f"{lin}.weight"
+            got = list(shape_of(wname))
+            if got != list(shape):
+                raise PackageError(
+                    f"write: {wname} has shape {got}; the config implies {list(shape)}"
+                )
+    try:
+        group = choose_group_size({s[1] for s in shapes.values()}, group_size)
+    except ValueError:
+        allowed = WEIGHT_GROUPS if group_size is None else (group_size,)
+        lin, shape = next((lin, s) for lin, s in shapes.items() if all(s[1] % g for g in allowed))
+        raise PackageError(
+            f"write: {head if lin == 'lm_head' else lin + '.weight'} has shape {list(shape)}; "
+            f"expected K (the last dim) to be a multiple of "
+            f"{' or '.join(map(str, allowed))}"
+        ) from None
+    try:
+        split_k(config["intermediate_size"])
+    except ValueError as e:
+        raise PackageError(f"write: {e}") from e
+    return group
+
+
+def _checked(name: str, w: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    if tuple(w.shape) != tuple(shape):
+        raise PackageError(
+            f"write: {name} has shape {list(w.shape)}; the config implies {list(shape)}"
+        )
+    return w
+
+
+def build(
+    out_dir: str | Path,
+    source,
+    *,
+    method: Method | None = None,
+    quantize: Callable[[str, np.ndarray], Planes] | None = None,
+    rotation: Rotation | None = None,
+    tokens: np.ndarray | None = None,
+    smoothing: Mapping[str, np.ndarray] | None = None,
+    group_size: int | None = None,
+    name: str | None = None,
+    source_model: str | None = None,
+    notes: dict | Callable[[], dict] | None = None,
+    r3: bool = False,
+    kv_group: int | None = None,
+    stages: Stages | None = None,
+    progress: bool = False,
+    per_linear: dict[str, dict] | None = None,
+) -> Path:
+    """Write `source` (a `sources.Source`) as a package in `out_dir`.
+
+    `method` chooses the planes (calibrated methods need `tokens` [n_seq, seq_len]); a
+    `quantize(name, w)` callback overrides it (no calibration); neither: RTN. `smoothing` is the
+    norms' vectors (already chosen). `per_linear` (a dict) receives each Linear's diagnostics.
+    `notes` is the manifest's `conversion` block, or a function giving it once every Linear is
+    quantized (so it can hold the diagnostics and the stages' resources)."""
+    own_stages = Stages() if stages is None else None
+    stages = stages or own_stages
+    try:
+        config = complete_config(source.config)
+        group = _check_source(source, config, group_size)
+        method = method or Method("rtn")
+        if method.calibrated and quantize is None and tokens is None:
+            raise ValueError(f"method {method.name} needs calibration tokens")
+        n_layers = config["num_hidden_layers"]
+        shapes = linear_shapes(config)
+        available = set(source.names())
+        k = split_k(config["intermediate_size"])
+        had = hadamard_k(k) if k > 1 else None
+        biased = {lin for lin in shapes if f"{lin}.bias" in available}
+        stats = {} if per_linear is None else per_linear
+
+        def choose(lin: str, w: np.ndarray, h: np.ndarray | None, factors: dict) -> Planes:
+            with stages("quantize"):
+                if quantize is not None:
+                    planes, errors = quantize(lin, w), {}
+                else:
+                    planes, errors = method.quantize(w, h, group, factors)
+            stats[lin] = {
+                **{key: round(v, 4) for key, v in errors.items()},
+                "saturation": round(planes.saturation, 6),
+                "w8_max_rel_err": float(f"{planes.w8_max_rel_err:.3e}"),
+                "w4_rel_fro_err": round(planes.w4_rel_fro_err, 5),
+            }
+            if "w4_hessian_err_vs_rtn" in errors and progress:
+                e = errors
+                tqdm.write(
+                    f"{lin}: output error vs RTN: W4 {e['w4_hessian_err_vs_rtn']:.3f}x, "
+                    f"W8 {e['w8_hessian_err_vs_rtn']:.3f}x"
+                    + (f" (lambda {e['lambda_draft']:.3g})" if "lambda_draft" in e else ""),
+                    file=sys.stderr,
+                )
+            return planes
+
+        writer = PackageWriter(
+            out_dir,
+            config,
+            biased=biased,
+            had_k=had,
+            group_size=group,
+            tokenizer_dir=source.tokenizer_dir,
+            name=name or source.name,
+            source_model=source_model,
+            r3=r3,
+            kv_group=kv_group,
+            smoothing=smoothing is not None,
+        )
+        with stages("read"):
+            embed_f32 = _checked(
+                "model.embed_tokens.weight",
+                stored_embedding(source, rotation),
+                (config["vocab_size"], config["hidden_size"]),
+            )
+            embed = mx.array(embed_f32).astype(mx.bfloat16)
+            mx.eval(embed)
+            del embed_f32
+        with stages("write"):
+            writer.add("model.embed_tokens.weight", embed)
+            if smoothing is not None:
+                writer.add_norms(dict(smoothing))
+        calib = None
+        if tokens is not None and method.calibrated and quantize is None:
+            with stages("calibrate"):
+                calib = Calibration(writer.spec, embed, tokens, had, smoothing)
+
+        bar = tqdm(
+            total=n_layers + 1,
+            desc=f"{method.name} {source.name}",
+            unit="layer",
+            disable=not progress,
+        )
+        for i in range(n_layers):
+            p = f"model.layers.{i}."
+            with stages("read"):
+                w = stored_layer(source, i, rotation, smoothing, had)
+                for lin in LAYER_LINEARS:
+                    _checked(p + lin + ".weight", w[f"{lin}.weight"], shapes[p + lin])
+            hessians = {}
+            if calib is not None:
+                with stages("calibrate"):
+                    hessians = calib.hessians(i, w)
+            planes, factors = {}, {}
+            for lin in LAYER_LINEARS:
+                planes[lin] = choose(p + lin, w[f"{lin}.weight"], hessians.get(lin), factors)
+                with stages("write"):
+                    writer.add_linear(p + lin, planes[lin], w.get(f"{lin}.bias"))
+            del factors, hessians
+            if calib is not None:
+                with stages("calibrate"):
+                    calib.advance(i, planes, w)
+            del w, planes
+            bar.update()
+
+        with stages("read"):
+            head = _checked(
+                "lm_head.weight", stored_head(source, rotation, smoothing), shapes["lm_head"]
+            )
+        h = None
+        if calib is not None:
+            with stages("calibrate"):
+                h = calib.final_hessian()
+                del calib
+        planes = choose("lm_head", head, h, {})
+        del head, h
+        with stages("write"):
+            writer.add_linear("lm_head", planes)
+            bar.update()
+            bar.close()
+            return writer.finish(notes() if callable(notes) else notes)
+    finally:
+        if own_stages is not None:
+            own_stages.close()

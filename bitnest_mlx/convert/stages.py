@@ -1,0 +1,83 @@
+"""Wall time and peak resident memory per conversion stage (read, calibrate, quantize, write).
+
+The process's peak RSS (`getrusage`) only says the maximum so far, so a sampling thread reads the
+current RSS every `interval` seconds and charges it to the stage running then; the process peak
+is reported beside. Stages may be entered many times (once per layer); their times add up.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+STAGES = ("read", "calibrate", "quantize", "write")
+_PAGE = 4096
+
+
+def current_rss() -> int:
+    """Resident bytes of this process now (Linux /proc; elsewhere the peak so far)."""
+    statm = Path("/proc/self/statm")
+    if statm.is_file():
+        return int(statm.read_text().split()[1]) * _PAGE
+    return peak_rss()
+
+
+def peak_rss() -> int:
+    """Peak resident bytes of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+class Stages:
+    """`with stages("calibrate"): ...` times a stage and samples its RSS; `report()` is the
+    manifest's and the CLI's record: per stage seconds and peak GB, the total, the process peak.
+    """
+
+    def __init__(self, interval: float = 0.1):
+        self.seconds = dict.fromkeys(STAGES, 0.0)
+        self.peak = dict.fromkeys(STAGES, 0)
+        self.current: str | None = None
+        self.start = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(interval,), daemon=True)
+        self._thread.start()
+
+    def _sample(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            stage = self.current
+            if stage is not None:
+                self.peak[stage] = max(self.peak[stage], current_rss())
+
+    @contextmanager
+    def __call__(self, stage: str):
+        assert stage in STAGES, stage
+        outer, self.current = self.current, stage
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.peak[stage] = max(self.peak[stage], current_rss())
+            self.seconds[stage] += time.perf_counter() - t0
+            self.current = outer
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def report(self) -> dict:
+        gb = 1e9
+        return {
+            "stages": {
+                s: {
+                    "seconds": round(self.seconds[s], 1),
+                    "peak_rss_gb": round(self.peak[s] / gb, 3),
+                }
+                for s in STAGES
+            },
+            "seconds": round(time.perf_counter() - self.start, 1),
+            "peak_rss_gb": round(peak_rss() / gb, 3),
+        }
