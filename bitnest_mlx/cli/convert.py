@@ -15,8 +15,9 @@ from ..convert import convert
 from ..convert.calib import CALIB_TOKENS
 from ..convert.joint import W8_BUDGET
 from ..convert.rotation import ROTATIONS
-from ..formats.bitnest import KV_GROUPS
+from ..formats.bitnest import KV_GROUPS, WEIGHT_GROUPS
 from .args import Parser, float_at_least, int_at_least, non_negative_int, positive_int, refuse
+from .blas import reexec_with_openblas
 
 
 def _slack(value: str) -> float | None:
@@ -134,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
         "scale per head for 1/4 bit more per cached value)",
     )
     p.add_argument(
+        "--group-size",
+        type=int,
+        choices=WEIGHT_GROUPS,
+        default=None,
+        help="weight columns per scale (manifest group_size; default: 128 where every Linear's "
+        "input width allows it, else the largest of 64, 32 that divides them all)",
+    )
+    p.add_argument(
         "--smooth",
         action="store_true",
         help="per-channel smoothing: store an RMSNorm weight d (and W/d in the Linears reading "
@@ -148,8 +157,21 @@ def _terminate(signum, frame):
     sys.exit(128 + signum)
 
 
+def _stages_line(summary: dict) -> str:
+    parts = [
+        f"{name} {s['seconds']:.0f} s, {s['peak_rss_gb']:.2f} GB"
+        for name, s in summary["stages"].items()
+    ]
+    return (
+        f"[convert] {' | '.join(parts)} | total {summary['seconds']:.0f} s, "
+        f"peak RSS {summary['peak_rss_gb']:.2f} GB"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None:  # a process of its own (not a call from Python): worth the faster BLAS
+        reexec_with_openblas("bitnest_mlx.convert")
     if args.calib is not None and not Path(args.calib).is_file():
         return refuse(f"--calib {args.calib}: no such file")
     tic = time.perf_counter()
@@ -175,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 r3=args.r3 == "on",
                 kv_group=args.kv_group,
                 smooth=args.smooth,
+                group_size=args.group_size,
                 scratch=Path(tmp),
                 force=args.force,
             )
@@ -188,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
     summary["seconds"] = round(time.perf_counter() - tic, 1)
     print(json.dumps(summary, indent=2))
+    print(_stages_line(summary), file=sys.stderr)
     return 0
 
 
