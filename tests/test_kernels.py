@@ -53,16 +53,17 @@ def close(got: mx.array, want: mx.array, rel: float = 2e-5) -> bool:
 # ---------------------------------------------------------------- cases (shared by emulator/Metal)
 
 
-def dual_plane_case(m, n, k, draft, act, dtype, seed):
-    """(kernel call, pure reference) for one dual-plane matmul; act: None | "token" | "group"."""
+def dual_plane_case(m, n, k, weight_group, draft, act, dtype, seed):
+    """(kernel call, pure reference) for one dual-plane matmul with one scale per `weight_group`
+    columns; act: None (x as is), -1 (A8 per token) or the A8 group in columns."""
     keys = mx.random.split(mx.random.key(seed), 4)
-    lin = DualPlaneLinear(k, n)
+    lin = DualPlaneLinear(k, n, group_size=weight_group)
     lin.hi = mx.random.randint(0, 2**31, (n, k // 8), key=keys[0]).astype(mx.uint32)
     lin.lo = mx.random.randint(0, 2**31, (n, k // 8), key=keys[1]).astype(mx.uint32)
-    lin.scales = mx.random.uniform(0.002, 0.02, (n, k // 128), key=keys[2]).astype(dtype)
+    lin.scales = mx.random.uniform(0.002, 0.02, lin.scales.shape, key=keys[2]).astype(dtype)
     lin.biases = -8 * lin.scales
     x = (mx.random.normal((m, k), key=keys[3]) * 3).astype(dtype)
-    group = {None: None, "token": -1, "group": 128}[act]
+    group = act
 
     def call(runner, mutate=None):
         run = runner if mutate is None else (lambda launch: runner(launch, mutate))
@@ -126,13 +127,19 @@ def hadamard_case(rows, d, seed):
     return call, rotate_input(x, signs)
 
 
-# M, N, K: N not a multiple of 4 rows per simdgroup / 8 per threadgroup, K not of 512 per sweep.
+# M, N, K, weight group, draft, A8 (None: off, -1: per token, else its group), dtype: N not a
+# multiple of 4 rows per simdgroup / 8 per threadgroup, K not of 512 per sweep (nor of 128 at
+# the smaller weight groups).
 DUAL_PLANE = {
-    "m1_draft_float_x": (1, 13, 384, True, None, mx.float32),
-    "m3_target_a8_token": (3, 13, 640, False, "token", mx.float32),
-    "m8_target_a8_group": (8, 9, 1152, False, "group", mx.float32),
-    "m2_draft_a8_group_fp16": (2, 6, 256, True, "group", mx.float16),
-    "m5_target_float_x_k128": (5, 3, 128, False, None, mx.float32),
+    "m1_draft_float_x": (1, 13, 384, 128, True, None, mx.float32),
+    "m3_target_a8_token": (3, 13, 640, 128, False, -1, mx.float32),
+    "m8_target_a8_group": (8, 9, 1152, 128, False, 128, mx.float32),
+    "m2_draft_a8_group_fp16": (2, 6, 256, 128, True, 128, mx.float16),
+    "m5_target_float_x_k128": (5, 3, 128, 128, False, None, mx.float32),
+    "m4_target_a8_token_g64_k320": (4, 11, 320, 64, False, -1, mx.float32),
+    "m1_target_float_x_g64_k576": (1, 6, 576, 64, False, None, mx.float32),
+    "m2_draft_a8_head64_g32_k192": (2, 7, 192, 32, True, 64, mx.float32),
+    "m3_target_a8_group_g32_fp16": (3, 9, 640, 32, False, 128, mx.float16),
 }
 # B, Hq, Hkv, L, D, n_kv, t_cap, group, draft
 NESTED_KV = {
@@ -201,6 +208,15 @@ def test_emulator_test_fails_on_a_planted_kernel_bug(kind):
     name, old, new = MUTATIONS[kind]
     call, want, rel = build(kind, name)
     got = call(emulator.run, mutate=lambda src: src.replace(old, new))
+    assert not close(got, want, rel)
+
+
+@needs_cxx
+@pytest.mark.parametrize("name", ["m4_target_a8_token_g64_k320", "m2_draft_a8_head64_g32_k192"])
+def test_emulator_test_fails_when_the_kernel_assumes_128_column_groups(name):
+    """The weight group (and the A8 group) come from the template, not a 128 left in the body."""
+    call, want, rel = build("dual_plane", name)
+    got = call(emulator.run, mutate=lambda src: src.replace("k0 / GS", "k0 / 128"))
     assert not close(got, want, rel)
 
 
@@ -308,6 +324,29 @@ def test_model_decode_routes_through_kernels_and_matches_pure_path(tmp_path, mon
         scale = float(mx.abs(want[d]).max())
         assert np.isfinite(err).all() and err.max() < 1e-2 * scale, err
         assert np.sort(err)[-2] < 1e-5 * scale, err
+
+
+@needs_cxx
+def test_per_head_a8_of_64_is_fused_into_the_kernel_at_a_32_column_weight_group(monkeypatch):
+    """Qwen2.5-0.5B's o_proj (A8 per head_dim 64) on a group-32 package: the kernel quantizes x
+    itself (no separate a8 pass) and gives the pure path's result."""
+    keys = mx.random.split(mx.random.key(7), 3)
+    lin = DualPlaneLinear(192, 7, group_size=32)
+    lin.hi = mx.random.randint(0, 2**31, (7, 24), key=keys[0]).astype(mx.uint32)
+    lin.lo = mx.random.randint(0, 2**31, (7, 24), key=keys[1]).astype(mx.uint32)
+    lin.scales = mx.random.uniform(0.002, 0.02, (7, 6), key=keys[2])
+    lin.biases = -8 * lin.scales
+    x = mx.random.normal((1, 2, 192), key=keys[0]) * 3
+    want = lin(x, RunOptions("draft", use_kernels=False), a8_group=64)
+    monkeypatch.setattr(kernels, "_metal", lambda: True)
+    monkeypatch.setattr(kernels, "metal_runner", emulator.run)
+    monkeypatch.setattr(kernels, "use", lambda name, self_test: True)
+    monkeypatch.setattr(kernels, "_state", kernels._State())
+    with mock.patch.object(dual_plane, "a8", wraps=dual_plane.a8) as a8_spy:
+        got = lin(x, RunOptions("draft"), a8_group=64)
+    a8_spy.assert_not_called()
+    assert kernels.report()["dual_plane"]["kernel"] == 1
+    assert close(got, want), float(mx.abs(got - want).max())
 
 
 @needs_cxx
