@@ -4,6 +4,7 @@
     package's effective (dequantized) weights, draft (W4) and target (W8).
 (b) A8 and KV on: runtime logits == tests/numpy_reference.py, a numpy forward written from the
     spec text.
+    The same at weight groups of 64 and 32 columns (one Qwen2 and one Llama case).
 (d) One prefill of T tokens == T single-token steps through the nested KV cache.
 
 Tiny random models (head_dim 128, GQA 2:1, 2 layers) with random RMSNorm gammas (so the
@@ -188,9 +189,7 @@ def test_llama3_rope_scaling_changes_the_logits(tmp_path):
 # (b) numpy reference of the spec, quantizers on
 
 
-@pytest.mark.parametrize("mode", ["draft", "target"])
-def test_quantized_forward_matches_numpy_spec_reference(package, mode):
-    _, path = package
+def assert_matches_spec_reference(path: Path, mode: str) -> None:
     trace = Trace()
     ours = runtime_logits(path, TOKENS, mode, quantize=True, trace=trace)
     ref = Reference.load(path)
@@ -205,6 +204,33 @@ def test_quantized_forward_matches_numpy_spec_reference(package, mode):
     # Sensitivity: the same reference with A8/KV off differs by far more than the tolerance.
     plain = ref.forward(TOKENS, draft=mode == "draft", quantize_act=False, quantize_kv=False)
     assert np.abs(plain - expected).max() > 100 * TOL
+
+
+@pytest.mark.parametrize("mode", ["draft", "target"])
+def test_quantized_forward_matches_numpy_spec_reference(package, mode):
+    assert_matches_spec_reference(package[1], mode)
+
+
+@pytest.fixture(
+    scope="module", params=[("qwen2-K1", 64), ("llama-K12", 32)], ids=lambda p: f"{p[0]}-g{p[1]}"
+)
+def grouped_package(request, tmp_path_factory) -> Path:
+    """The parity cases written with one weight scale per 64 or 32 columns."""
+    name, group = request.param
+    path = tmp_path_factory.mktemp(f"{name}-g{group}")
+    case = CASES[name]
+    write_package(
+        path, random_source_weights(case, seed=1234), writer_config(case), group_size=group
+    )
+    assert bitnest.read(path).spec.group_size == group
+    return path
+
+
+@pytest.mark.parametrize("mode", ["draft", "target"])
+def test_quantized_forward_at_smaller_weight_groups_matches_numpy_spec_reference(
+    grouped_package, mode
+):
+    assert_matches_spec_reference(grouped_package, mode)
 
 
 def test_r3_enabled_in_manifest_matches_numpy_spec_reference(tmp_path):
