@@ -85,6 +85,28 @@ def test_greedy_speculative_output_equals_target_only_greedy(parity_cases, gamma
     assert stats.target_steps <= len(parity_cases)  # only the last token of a run, if any
 
 
+@pytest.mark.parametrize("group", [64, 32])
+def test_greedy_speculative_equals_target_only_at_smaller_weight_groups(tmp_path, group):
+    """Packages with one weight scale per 64 or 32 columns: the draft (W4) and target (W8)
+    readings of the same planes still give target-only greedy output, and drafts get rejected."""
+    model = tiny_package(tmp_path / "m", seed=5, group_size=group)
+    assert model.args.group_size == group and model.lm_head.group_size == group
+    prompt = mx.array(np.random.default_rng(group).integers(0, 300, 5), dtype=mx.uint32)
+    ref = [t for t, _ in generate_step(prompt, model, max_tokens=32)]
+    stats = SpeculativeStats()
+    out = speculative_generate_step(
+        prompt,
+        model,
+        max_tokens=32,
+        num_draft_tokens=3,
+        adaptive=False,
+        fallback=False,
+        stats=stats,
+    )
+    assert tokens_of(out) == ref
+    assert stats.rounds > 0 and stats.accepted < stats.drafted
+
+
 # --------------------------------------------------------------------------------------------
 # Rollback: the shared cache after any (draft, verify, accept a, trim) equals a fresh prefill
 
