@@ -1,8 +1,9 @@
 """`python -m bitnest_mlx.bench` (`bitnest-bench`): draft, target and speculative speed on a prompt.
 
-Also runs the same shapes through mlx-lm's own Llama quantized with `nn.quantize` (group 128,
-4 and 8 bits, random weights) on the same backend as a peer baseline, and a bandwidth roofline:
-bytes read per generated token and the tok/s ceiling they imply on Apple chips.
+Also runs the same shapes through mlx-lm's own Llama quantized with `nn.quantize` (the
+package's weight group, 4 and 8 bits, random weights) on the same backend as a peer baseline,
+and a bandwidth roofline: bytes read per generated token and the tok/s ceiling they imply on
+Apple chips.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def measure_generation(steps: Callable[[], Iterator], n: int) -> dict:
 
 
 def mlx_lm_peer(args, bits: int, dtype: mx.Dtype) -> nn.Module:
-    """mlx-lm's Llama with this package's dims, random weights, nn.quantize(group 128, bits)."""
+    """mlx-lm's Llama with this package's dims and weight group, random weights, nn.quantize."""
     a = args
     peer = llama.Model(
         llama.ModelArgs(
@@ -166,7 +167,8 @@ def mlx_lm_peer(args, bits: int, dtype: mx.Dtype) -> nn.Module:
         )
     )
     peer.set_dtype(dtype)
-    nn.quantize(peer, group_size=128, bits=bits)
+    # The package's group: the peer then reads as many scale bytes per weight as the planes.
+    nn.quantize(peer, group_size=a.group_size, bits=bits)
     mx.eval(peer.parameters())
     return peer
 
