@@ -1,37 +1,215 @@
-"""Float weights (HF names, [out, in], float32 numpy) and configs from HF checkpoints or GGUF."""
+"""Float weights (HF names, [out, in], float32 numpy) and configs from HF checkpoints or GGUF
+(`gguf_source`).
+
+A checkpoint is memory-mapped and each tensor is converted (or dequantized) only when asked for,
+so converting a model needs the memory of the tensors in use, not of the whole checkpoint.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import mmap
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
-import mlx.core as mx
 import numpy as np
 
-ARCHS = ("llama", "qwen2")
+from ..formats.bitnest import ARCHS
+from ..formats.safetensors_io import check_safetensors, read_json, string_map
+from .rope import rope_params
+
+__all__ = ["Source", "SourceError", "load_gguf", "load_hf", "rope_params"]
+
+INSTALL = "pip install 'bitnest-mlx[convert]'"  # the extra that brings gguf and transformers
 
 
 class SourceError(ValueError):
     """An input checkpoint the converter cannot read; the message names the file and the problem."""
 
 
+class _Entry(NamedTuple):
+    shape: tuple[int, ...]
+    read: Callable[[], np.ndarray]
+
+
 @dataclass
 class Source:
-    weights: dict[str, np.ndarray]
+    """One checkpoint: its completed HF config and its tensors, each read when asked for.
+
+    `tensor(name)` returns a new float32 array in HF layout ([out, in]); nothing is kept here, so
+    memory holds only what the caller still uses. `close()` (or `with source:`) unmaps the files.
+    """
+
     config: dict
     tokenizer_dir: Path | None
     name: str
+    # name -> (HF shape, reader of a new float32 array)
+    _tensors: dict[str, _Entry] = field(default_factory=dict, repr=False)
+    _close: Callable[[], None] = field(default=lambda: None, repr=False)
+
+    @classmethod
+    def from_arrays(
+        cls,
+        weights: Mapping[str, np.ndarray],
+        config: dict,
+        tokenizer_dir: Path | None = None,
+        name: str = "arrays",
+    ) -> Source:
+        """A source over arrays already in memory (tests, examples), config completed as a
+        checkpoint's is."""
+        tensors = {
+            k: _Entry(np.shape(v), partial(np.array, v, dtype=np.float32))
+            for k, v in weights.items()
+        }
+        return cls(_complete(dict(config), name), tokenizer_dir, name, tensors)
+
+    def names(self) -> list[str]:
+        """HF tensor names, in checkpoint order (no lm_head.weight when the embedding is tied)."""
+        return list(self._tensors)
+
+    def _entry(self, name: str) -> _Entry:
+        entry = self._tensors.get(name)
+        if entry is None:
+            raise KeyError(f"{self.name}: no tensor {name!r}")
+        return entry
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape `tensor(name)` will have, without reading it."""
+        return self._entry(name).shape
+
+    def tensor(self, name: str) -> np.ndarray:
+        return self._entry(name).read()
+
+    def close(self) -> None:
+        self._tensors = {}
+        self._close()
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _complete(config: dict, where: str) -> dict:
+    """`config` with model_type checked and head_dim, num_key_value_heads, rope_theta and
+    rope_scaling (None for default RoPE) filled in."""
     if config.get("model_type") not in ARCHS:
         raise SourceError(f"{where}: model_type {config.get('model_type')!r}, expected {ARCHS}")
-    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    dims = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    missing = [k for k in dims if not isinstance(config.get(k), int)]
+    if missing:
+        raise SourceError(f"{where}: config has no integer {', '.join(missing)}")
+    config["num_key_value_heads"] = (
+        config.get("num_key_value_heads") or config["num_attention_heads"]
+    )
     config["head_dim"] = config.get("head_dim") or (
         config["hidden_size"] // config["num_attention_heads"]
     )
+    config["rope_theta"], config["rope_scaling"] = rope_params(config)
     return config
+
+
+class _Mapped:
+    """A read-only map of one file. A tensor's pages leave this process's resident set once it
+    is converted (the page cache still has them), so RSS stays at the tensors in use instead of
+    growing to the size of the file."""
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "rb") as f:
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def read(
+        self,
+        offset: int,
+        dtype: np.dtype,
+        shape: tuple[int, ...],
+        convert: Callable[[np.ndarray], np.ndarray],
+    ) -> np.ndarray:
+        raw = np.ndarray(shape, dtype, buffer=self.map, offset=offset)
+        end = offset + raw.nbytes
+        out = convert(raw)
+        if np.may_share_memory(out, raw):  # e.g. float32 stored as is: never hand out the map
+            out = out.copy()
+        del raw  # close() refuses while an array still exports the map
+        if hasattr(self.map, "madvise") and end > offset:  # no madvise on Windows
+            start = offset - offset % mmap.PAGESIZE
+            self.map.madvise(mmap.MADV_DONTNEED, start, end - start)
+        return out
+
+    def close(self) -> None:
+        self.map.close()
+
+
+def _close_all(maps: list[_Mapped]) -> Callable[[], None]:
+    def close() -> None:
+        for m in maps:
+            m.close()
+
+    return close
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face safetensors
+
+# numpy has no bfloat16: its bits are the top half of a float32, read as uint16.
+_SAFETENSORS_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+# A hub id ("org/model"); anything else in _name_or_path is a path on the machine that saved it.
+_HUB_ID = re.compile(r"[\w-][\w.-]*(/[\w-][\w.-]*)?")
+
+
+def _to_float32(raw: np.ndarray) -> np.ndarray:
+    if raw.dtype == np.dtype("<u2"):
+        out = raw.astype(np.uint32)
+        out <<= 16
+        return out.view(np.float32)
+    return raw.astype(np.float32)
+
+
+def _shards(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: its index's shards when it has one, so stray
+    files beside them (another format's `consolidated.safetensors`) are not read as weights."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = string_map(
+            read_json(index, SourceError).get("weight_map"), index, "weight_map", SourceError
+        )
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise SourceError(f"{index}: shards {missing} are missing")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise SourceError(f"{path}: no *.safetensors files")
+    return files
+
+
+def _hf_tensors(f: Path, mapped: _Mapped) -> dict[str, _Entry]:
+    check_safetensors(f, SourceError)  # size and header sanity, so the header can be trusted
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    tensors = {}
+    for k, info in header.items():
+        # Old Llama checkpoints store RoPE's inverse frequencies, a buffer derived from config.
+        if k == "__metadata__" or k.endswith("rotary_emb.inv_freq"):
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise SourceError(
+                f"{f}: tensor {k} has dtype {info.get('dtype')}, expected one of F32, F16, BF16"
+            )
+        shape = tuple(int(d) for d in info["shape"])
+        begin, end = (int(o) for o in info["data_offsets"])
+        if end - begin != dtype.itemsize * int(np.prod(shape)):
+            raise SourceError(f"{f}: tensor {k} holds {end - begin} bytes, not its shape {shape}")
+        tensors[k] = _Entry(shape, partial(mapped.read, 8 + n + begin, dtype, shape, _to_float32))
+    return tensors
 
 
 def load_hf(path: str | Path) -> Source:
@@ -39,170 +217,36 @@ def load_hf(path: str | Path) -> Source:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise SourceError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
-    config = _complete(json.loads((path / "config.json").read_text()), str(path / "config.json"))
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise SourceError(f"{path}: no *.safetensors files")
-    weights = {}
-    for f in files:
-        try:
-            arrays = mx.load(str(f))
-        except Exception as e:
-            raise SourceError(f"{f}: unreadable safetensors file ({e})") from e
-        for k, a in arrays.items():
-            if a.dtype not in (mx.float16, mx.bfloat16, mx.float32):
-                raise SourceError(f"{f}: tensor {k} has dtype {a.dtype}, expected a float type")
-            weights[k] = np.array(a.astype(mx.float32))
-    if config.get("tie_word_embeddings"):
-        weights.pop("lm_head.weight", None)
-    return Source(weights, config, path, path.name)
-
-
-# ---------------------------------------------------------------------------------------------
-# GGUF
-
-_GGUF_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LAYER = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-# Pre-tokenizer split patterns of the BPE vocabularies llama.cpp names in `tokenizer.ggml.pre`.
-_PRE_TOKENIZER = {
-    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-}
-
-
-def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's interleaving of q/k rows (its converter permutes them for GGML's RoPE)."""
-    out = w.shape[0]
-    return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+    config = _complete(read_json(path / "config.json", SourceError), str(path / "config.json"))
+    maps: list[_Mapped] = []
+    tensors: dict[str, _Entry] = {}
+    try:
+        for f in _shards(path):
+            try:
+                maps.append(_Mapped(f))
+            except (OSError, ValueError) as e:
+                raise SourceError(f"{f}: unreadable safetensors file ({e})") from e
+            for k, entry in _hf_tensors(f, maps[-1]).items():
+                if k in tensors:
+                    raise SourceError(f"{f}: tensor {k} is in another shard too")
+                tensors[k] = entry
+    except BaseException:
+        _close_all(maps)()
+        raise
+    if "lm_head.weight" not in tensors:
+        # Tied in all but name: transformers would leave lm_head random, no model is saved so.
+        config["tie_word_embeddings"] = True
+    elif config.get("tie_word_embeddings"):
+        del tensors["lm_head.weight"]  # transformers ignores a stored copy of a tied head
+    # The name, never where the checkpoint happened to be saved on someone's machine.
+    saved_as = config.pop("_name_or_path", None)
+    name = saved_as if isinstance(saved_as, str) and _HUB_ID.fullmatch(saved_as) else None
+    return Source(config, path, name or path.resolve().name, tensors, _close_all(maps))
 
 
 def load_gguf(path: str | Path, tokenizer_out: Path) -> Source:
-    """A GGUF file of arch llama or qwen2, dequantized to float32; writes its tokenizer files."""
-    try:
-        import gguf
-        from gguf.quants import dequantize
-    except ImportError as e:
-        raise SourceError("reading GGUF needs the `gguf` package: pip install gguf") from e
-    path = Path(path)
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:
-        raise SourceError(f"{path}: unreadable GGUF file ({e})") from e
-    arch = _field(reader, "general.architecture")
-    if arch not in ARCHS:
-        raise SourceError(f"{path}: GGUF architecture {arch!r}, expected one of {ARCHS}")
-    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    weights = {}
-    for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
-            raise SourceError(
-                f"{path}: tensor rope_freqs.weight (llama3 RoPE factors) is not "
-                "supported; convert from the Hugging Face checkpoint instead"
-            )
-        name = _GGUF_NAMES.get(t.name)
-        if name is None:
-            parts = t.name.split(".")
-            if parts[0] != "blk" or parts[2] not in _GGUF_LAYER:
-                raise SourceError(f"{path}: unexpected tensor {t.name}")
-            name = f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{parts[3]}"
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-            heads = (
-                n_heads
-                if ".q_proj." in name
-                else int(_field(reader, f"{arch}.attention.head_count_kv", n_heads))
-            )
-            w = unpermute_qk(w, heads)
-        weights[name] = w
-    d = int(_field(reader, f"{arch}.embedding_length"))
-    config = _complete(
-        {
-            "model_type": arch,
-            "hidden_size": d,
-            "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
-            "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
-            "num_attention_heads": n_heads,
-            "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
-            "vocab_size": weights["model.embed_tokens.weight"].shape[0],
-            "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-            "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-            "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
-            "tie_word_embeddings": "lm_head.weight" not in weights,
-            "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-            "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-        },
-        str(path),
-    )
-    _write_gguf_tokenizer(reader, path, tokenizer_out)
-    return Source(weights, config, tokenizer_out, _field(reader, "general.name", path.stem))
+    """A GGUF file of arch llama or qwen2, each tensor dequantized to float32 when read; writes
+    its tokenizer (tokenizer.json, tokenizer_config.json) into `tokenizer_out`."""
+    from .gguf_source import load_gguf as load  # imported here: it builds on this module
 
-
-def _write_gguf_tokenizer(reader, path: Path, out: Path) -> None:
-    """tokenizer.json + tokenizer_config.json from a GGUF's byte-level BPE vocabulary."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    kind = _field(reader, "tokenizer.ggml.model")
-    pre = _field(reader, "tokenizer.ggml.pre", "llama-bpe")
-    if kind != "gpt2" or pre not in _PRE_TOKENIZER:
-        raise SourceError(
-            f"{path}: tokenizer {kind!r}/{pre!r} is not supported "
-            f"(byte-level BPE with pre-tokenizer {sorted(_PRE_TOKENIZER)})"
-        )
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    types = _field(reader, "tokenizer.ggml.token_type")
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
-    tok = Tokenizer(
-        models.BPE(
-            vocab={t: i for i, t in enumerate(tokens)},
-            merges=merges,
-            ignore_merges=pre == "llama-bpe",
-        )
-    )
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(_PRE_TOKENIZER[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    control = [t for t, ty in zip(tokens, types) if ty in (3, 4)]  # CONTROL, USER_DEFINED
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
-
-    def token(key: str) -> str | None:
-        i = _field(reader, key)
-        return None if i is None else tokens[int(i)]
-
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": token("tokenizer.ggml.bos_token_id"),
-        "eos_token": token("tokenizer.ggml.eos_token_id"),
-        "pad_token": token("tokenizer.ggml.padding_token_id"),
-        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        "chat_template": _field(reader, "tokenizer.chat_template"),
-    }
-    (out / "tokenizer_config.json").write_text(
-        json.dumps({k: v for k, v in config.items() if v is not None}, indent=2) + "\n"
-    )
+    return load(path, tokenizer_out)
