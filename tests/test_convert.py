@@ -13,10 +13,11 @@ transformers = pytest.importorskip("transformers")
 
 from factory import VOCAB, config_dict, state, tiny_dims, tiny_hf  # noqa: E402
 
-from bitnest_mlx.convert import fold_norms, write_package  # noqa: E402
+from bitnest_mlx.convert import fold_norms  # noqa: E402
+from bitnest_mlx.convert.gguf_source import unpermute_qk  # noqa: E402
 from bitnest_mlx.convert.gptq import gptq_codes, hessian  # noqa: E402
 from bitnest_mlx.convert.rotation import rotate  # noqa: E402
-from bitnest_mlx.convert.sources import load_gguf, unpermute_qk  # noqa: E402
+from bitnest_mlx.convert.sources import load_gguf  # noqa: E402
 from bitnest_mlx.formats import bitnest  # noqa: E402
 
 
@@ -182,7 +183,7 @@ def test_gguf_reader_recovers_hf_weights_and_tokenizer(tmp_path, arch):
     write_gguf(tmp_path / "m.gguf", model, arch)
     source = load_gguf(tmp_path / "m.gguf", tmp_path / "tok")
     for k, v in state(model).items():
-        np.testing.assert_array_equal(source.weights[k], v, err_msg=k)
+        np.testing.assert_array_equal(source.tensor(k), v, err_msg=k)
     assert source.config["model_type"] == arch
     assert source.config["num_key_value_heads"] == 1
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -237,31 +238,30 @@ def test_convert_cli_hf_checkpoint_loads_in_all_modes(tmp_path):
     assert not mx.array_equal(outs["draft"], outs["target"])
 
 
-@pytest.mark.parametrize("w8_slack", [3.0, None])  # the converter's default, and free codes
-def test_sequential_gptq_beats_rtn_on_every_linear_with_its_calibration_inputs(tmp_path, w8_slack):
-    from bitnest_mlx.convert.gptq import SequentialGPTQ
-    from bitnest_mlx.formats import bitnest
-    from bitnest_mlx.formats.hadamard import hadamard_k
+@pytest.mark.parametrize("method", ["gptq", "joint"])
+def test_calibrated_codes_beat_rtn_on_every_linear_with_its_calibration_inputs(tmp_path, method):
+    """Each Linear's Hessian comes from the runtime forward of the partly quantized model; on it
+    the calibrated W4 codes have a lower output error than rounding to nearest."""
+    from bitnest_mlx.convert.methods import Method
+    from bitnest_mlx.convert.pipeline import build
+    from bitnest_mlx.convert.rotation import Rotation
+    from bitnest_mlx.convert.sources import Source
 
     model = tiny_hf("qwen2")
     config = config_dict(model)
-    weights = rotate(fold_norms(state(model), 2), config, "hadamard", seed=0)
     tokens = np.random.default_rng(0).integers(0, VOCAB, (4, 64))
-    gptq = SequentialGPTQ(weights, config, tokens, hadamard_k(12), w8_slack=w8_slack)
-    errors = {}
-
-    def quantize(name: str, w: np.ndarray) -> bitnest.Planes:
-        planes = gptq(name, w)
-        h = gptq.hessians[name.rsplit(".", 1)[-1]]
-        for label, p in (("gptq", planes), ("rtn", bitnest.planes_from_codes(w))):
-            dw = w - bitnest.dequantize_planes(p.hi, p.lo, p.scales, draft=True)
-            errors.setdefault(name, {})[label] = np.trace(dw @ h @ dw.T)
-        return planes
-
-    write_package(tmp_path, weights, config, quantize=quantize)
-    assert len(errors) == 2 * 7 + 1  # lm_head included
-    for name, e in errors.items():
-        assert e["gptq"] < e["rtn"], name
+    stats = {}
+    build(
+        tmp_path / "pkg",
+        Source.from_arrays(state(model), config),
+        method=Method(method),
+        rotation=Rotation(config, "hadamard", 0),
+        tokens=tokens,
+        per_linear=stats,
+    )
+    assert len(stats) == 2 * 7 + 1  # lm_head included
+    for name, e in stats.items():
+        assert e["w4_hessian_err_vs_rtn"] < 1, name
 
 
 def test_converted_package_runs_speculative_decoding(tmp_path):

@@ -32,6 +32,7 @@ import bitnest_mlx
 from bitnest_mlx.convert import fold_norms, write_package
 from bitnest_mlx.convert.package import smooth_linears
 from bitnest_mlx.convert.smoothing import measure, norm_inputs, smoothing_vectors
+from bitnest_mlx.convert.sources import Source
 from bitnest_mlx.formats import bitnest
 from bitnest_mlx.formats.bitnest import PackageError
 from bitnest_mlx.formats.hadamard import hadamard_k, split_k
@@ -188,7 +189,8 @@ def test_norm_inputs_follow_the_transformers_forward():
     with torch.no_grad():
         out = model(torch.tensor(tokens), output_hidden_states=True)
     hidden = [h.numpy().reshape(-1, 256) for h in out.hidden_states]
-    ours = dict(norm_inputs(weights, config, tokens))
+    source = Source.from_arrays(weights, config)
+    ours = {norm: x for norm, x, _ in norm_inputs(source, config, tokens)}
 
     def rms(h: np.ndarray) -> np.ndarray:
         return h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + config["rms_norm_eps"])
@@ -361,22 +363,25 @@ def test_convert_smooth_writes_a_smoothed_package_that_tracks_the_source(
 
 
 def test_calibrated_methods_see_the_smoothed_norm_output_d_times_x():
-    from bitnest_mlx.convert.gptq import SequentialGPTQ
+    from bitnest_mlx.convert.calibrate import Calibration
+    from bitnest_mlx.convert.package import stored_embedding, stored_layer
+    from bitnest_mlx.convert.pipeline import complete_config
+    from bitnest_mlx.formats.bitnest.writer import PackageWriter
 
     model = tiny_hf("llama")
-    config, weights = config_dict(model), fold_norms(state(model), 2)
+    source = Source.from_arrays(state(model), config_dict(model))
+    config = complete_config(source.config)
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 32))
     d = np.random.default_rng(1).uniform(0.5, 2.0, config["hidden_size"]).astype(np.float32)
     norms = {"model.layers.0.input_layernorm.weight": d}
-    name = "model.layers.0.self_attn.q_proj"
     had_k = hadamard_k(split_k(config["intermediate_size"]))
-    plain = SequentialGPTQ(weights, config, tokens, had_k, method="joint")
-    smoothed = SequentialGPTQ(
-        smooth_linears(weights, norms), config, tokens, had_k, method="joint", norms=norms
-    )
-    for gptq in (plain, smoothed):
-        gptq(name, weights[f"{name}.weight"])
+    embed = mx.array(stored_embedding(source, None))
+    q = {}
+    for label, vectors in (("plain", None), ("smoothed", norms)):
+        spec = PackageWriter.spec_for(config, had_k=had_k, norms=vectors)
+        calib = Calibration(spec, embed, tokens, had_k, vectors)
+        q[label] = calib.hessians(0, stored_layer(source, 0, None, vectors, had_k))[
+            "self_attn.q_proj"
+        ]
     # H = 2 E[x xᵀ] of the Linear's input: d·x has the diagonal d² times x's (A8 noise aside).
-    np.testing.assert_allclose(
-        np.diag(smoothed.hessians["q_proj"]), d**2 * np.diag(plain.hessians["q_proj"]), rtol=0.05
-    )
+    np.testing.assert_allclose(np.diag(q["smoothed"]), d**2 * np.diag(q["plain"]), rtol=0.05)

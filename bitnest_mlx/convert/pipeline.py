@@ -175,7 +175,7 @@ def build(
             source_model=source_model,
             r3=r3,
             kv_group=kv_group,
-            smoothing=smoothing is not None,
+            norms=None if smoothing is None else dict(smoothing),
         )
         with stages("read"):
             embed_f32 = _checked(
@@ -188,8 +188,6 @@ def build(
             del embed_f32
         with stages("write"):
             writer.add("model.embed_tokens.weight", embed)
-            if smoothing is not None:
-                writer.add_norms(dict(smoothing))
         calib = None
         if tokens is not None and method.calibrated and quantize is None:
             with stages("calibrate"):

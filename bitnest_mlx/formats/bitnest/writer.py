@@ -173,7 +173,7 @@ class PackageWriter:
         source_model: str | None = None,
         r3: bool = False,
         kv_group: int | None = None,
-        smoothing: bool = False,
+        norms: dict[str, np.ndarray] | None = None,
         shard_bytes: int = 2 * 2**30,
     ):
         self.shapes = linear_shapes(config)
@@ -181,8 +181,7 @@ class PackageWriter:
             choose_group_size([k for _, k in self.shapes.values()], group_size)
         except ValueError as e:
             raise PackageError(f"write: {e}") from None
-        self.out = Path(out_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.out = Path(out_dir)  # created at the first shard: a refused input leaves nothing
         self.config, self.tokenizer_dir, self.shard_bytes = config, tokenizer_dir, shard_bytes
         self.linears = {
             lin: {
@@ -202,14 +201,14 @@ class PackageWriter:
             self.k,
             r3,
             kv_group,
-            smoothing=smoothing,
+            smoothing=norms is not None,
             group_size=group_size,
         )
         self.package_config = _package_config(config)
         self.expected = {f"{lin}.{part}" for lin in self.shapes for part in ("hi", "lo", "scales")}
         self.expected |= {f"{lin}.bias" for lin in biased}
         self.expected |= {"model.embed_tokens.weight", "model.norm.weight"}
-        if smoothing:
+        if norms is not None:
             self.expected |= set(norm_names(config["num_hidden_layers"]))
         self._pending: dict[str, mx.array] = {}
         self._pending_bytes = 0
@@ -217,8 +216,11 @@ class PackageWriter:
         self._written: set[str] = set()
         if had_k is not None:
             self.add(f"aux.had_K.{self.k}", mx.array(had_k.astype(np.float32)))
-        if not smoothing:
+        if norms is None:
             self.add("model.norm.weight", mx.ones((config["hidden_size"],), dtype=mx.float32))
+        else:  # smoothing vectors (§2.5): every norm weight, ones where `norms` has none
+            for name, v in _norm_tensors(dict(norms), config).items():
+                self.add(name, v)
 
     @property
     def spec(self) -> PackageSpec:
@@ -261,14 +263,10 @@ class PackageWriter:
         if lin == "lm_head":
             self.manifest["lm_head_note"] = _lm_head_note(planes)
 
-    def add_norms(self, norms: dict[str, np.ndarray]) -> None:
-        """Smoothing vectors (§2.5): every norm weight, ones where `norms` has none."""
-        for name, v in _norm_tensors(norms, self.config).items():
-            self.add(name, v)
-
     def _flush(self) -> None:
         if not self._pending:
             return
+        self.out.mkdir(parents=True, exist_ok=True)
         f = self.out / f".shard-{len(self._shards):05d}.safetensors"
         mx.save_safetensors(str(f), self._pending, metadata={"format": "mlx"})
         self._shards.append((f, list(self._pending)))
@@ -276,6 +274,7 @@ class PackageWriter:
         self._pending, self._pending_bytes = {}, 0
 
     def finish(self, notes: dict | None = None) -> Path:
+        self.out.mkdir(parents=True, exist_ok=True)
         self._flush()
         missing = sorted(self.expected - self._written)
         if missing:
@@ -379,13 +378,11 @@ def write(
         source_model=source_model,
         r3=r3,
         kv_group=kv_group,
-        smoothing=norms is not None,
+        norms=norms,
     )
     for lin in shapes:
         w.add_linear(lin, planes[lin], biases.get(lin))
     w.add("model.embed_tokens.weight", mx.array(np.asarray(embed, np.float32)).astype(mx.bfloat16))
-    if norms is not None:
-        w.add_norms(norms)
     return w.finish(notes)
 
 
