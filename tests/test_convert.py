@@ -11,13 +11,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from factory import VOCAB, config_dict, state, tiny_dims, tiny_hf  # noqa: E402
+from factory import VOCAB, config_dict, state, tiny_hf  # noqa: E402
 
 from bitnest_mlx.convert import fold_norms  # noqa: E402
-from bitnest_mlx.convert.gguf_source import unpermute_qk  # noqa: E402
 from bitnest_mlx.convert.gptq import gptq_codes, hessian  # noqa: E402
 from bitnest_mlx.convert.rotation import rotate  # noqa: E402
-from bitnest_mlx.convert.sources import load_gguf  # noqa: E402
 from bitnest_mlx.formats import bitnest  # noqa: E402
 
 
@@ -98,100 +96,6 @@ def test_convert_cli_refuses_a_w8_slack_below_half_a_step(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--gguf", "x", "--out", "y", "--w8-slack", "0.2"])
     assert ">= 0.5" in capsys.readouterr().err
-
-
-def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """The q/k row interleaving llama.cpp's HF->GGUF converter applies for arch llama."""
-    return (
-        w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
-
-def test_unpermute_qk_inverts_llama_cpp_permutation():
-    w = np.arange(4 * 128 * 3, dtype=np.float32).reshape(4 * 128, 3)
-    assert not np.array_equal(llama_cpp_permute(w, 4), w)
-    np.testing.assert_array_equal(unpermute_qk(llama_cpp_permute(w, 4), 4), w)
-
-
-def write_gguf(path, model, arch: str) -> None:
-    """A float32 GGUF of the tiny model with a byte-level BPE vocabulary (as llama.cpp writes)."""
-    gguf = pytest.importorskip("gguf")
-    from bitnest_mlx.demo import _bytes_to_unicode
-
-    c, w = model.config, state(model)
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_context_length(512)
-    tokens = [_bytes_to_unicode()[b] for b in range(256)] + ["<|endoftext|>"]
-    tokens += [f"<|reserved_{i}|>" for i in range(VOCAB - len(tokens))]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "llama-bpe")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * 256 + [3] * (VOCAB - 256))
-    writer.add_token_merges([])
-    writer.add_eos_token_id(256)
-    names = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    layer = {
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
-    for k, v in w.items():
-        if k in names:
-            name = names[k]
-        else:
-            parts = k.split(".")
-            mod = ".".join(parts[3:-1])
-            name = f"blk.{parts[2]}.{layer[mod]}.{parts[-1]}"
-            if arch == "llama" and mod in ("self_attn.q_proj", "self_attn.k_proj"):
-                heads = c.num_attention_heads if "q_proj" in mod else c.num_key_value_heads
-                v = llama_cpp_permute(v, heads)
-        writer.add_tensor(name, np.ascontiguousarray(v, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_gguf_reader_recovers_hf_weights_and_tokenizer(tmp_path, arch):
-    torch.manual_seed(0)
-    common = tiny_dims(layers=1)
-    model = (
-        transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-        if arch == "llama"
-        else transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    )
-    write_gguf(tmp_path / "m.gguf", model, arch)
-    source = load_gguf(tmp_path / "m.gguf", tmp_path / "tok")
-    for k, v in state(model).items():
-        np.testing.assert_array_equal(source.tensor(k), v, err_msg=k)
-    assert source.config["model_type"] == arch
-    assert source.config["num_key_value_heads"] == 1
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    tok = load_tokenizer(tmp_path / "tok")
-    ids = tok.encode("hello world")
-    assert ids == list(b"hello world")
-    assert tok.decode(ids) == "hello world"
 
 
 def test_convert_cli_hf_checkpoint_loads_in_all_modes(tmp_path):

@@ -196,19 +196,28 @@ def load_gguf(path: str | Path, tokenizer_out: Path) -> Source:
     )
 
 
+_TOKENIZER_SETTINGS = (
+    *("bos_token", "eos_token", "unk_token", "pad_token"),
+    *("add_bos_token", "add_eos_token", "chat_template"),
+)
+
+
+def _gguf_tokenizer_public(path: Path):
+    """(tokenizers.Tokenizer, settings) through `AutoTokenizer.from_pretrained(gguf_file=)`,
+    for releases without `transformers.integrations.gguf`: the same conversion, 5x slower on
+    a 150k vocabulary because it also builds the model's tokenizer class."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return tok.backend_tokenizer, {k: getattr(tok, k, None) for k in _TOKENIZER_SETTINGS}
+
+
 def _gguf_tokenizer(path: Path):
-    """(tokenizers.Tokenizer, tokenizer settings) from transformers' GGUF tokenizer converter."""
+    """(tokenizers.Tokenizer, settings) from transformers' GGUF tokenizer converter."""
     try:
         from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
     except ImportError:
-        # Releases before this module: the public loader, which also builds the model's
-        # tokenizer class (5x slower on a 150k vocabulary) but converts the same way.
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        keys = ("bos_token", "eos_token", "unk_token", "pad_token", "add_bos_token")
-        settings = {k: getattr(tok, k, None) for k in (*keys, "add_eos_token", "chat_template")}
-        return tok.backend_tokenizer, settings
+        return _gguf_tokenizer_public(path)
     arch, tokenizer, settings = get_gguf_tokenizer(str(path))
     return convert_gguf_tokenizer(arch, tokenizer)[0], settings
 
