@@ -18,8 +18,8 @@ RANKS = {
     "hub": 0,  # org/repo -> local directory (file-level knowledge only)
     "kernels": 1,  # Metal launches; told their reference by the layers
     "layers": 2,  # storage formats as nn.Modules and caches
-    "convert": 2,  # float weights -> packages
     "models": 3,  # architectures
+    "convert": 4,  # float weights -> packages, calibrated through the models' own forward
     "sampling": 4,
     "speculative": 4,
     "evaluation": 4,

@@ -17,8 +17,8 @@ from .calib import CALIB_TOKENS, calibration_tokens
 from .joint import W8_BUDGET
 from .methods import Method
 from .output import OutputError, atomic_directory, check_output
-from .package import fold_norms, smooth_linears, write_package
-from .pipeline import build, complete_config
+from .package import fold_norms, smooth_linears
+from .pipeline import build, complete_config, write_package
 from .rotation import Rotation
 from .smoothing import smoothing_vectors
 from .sources import SourceError, load_gguf, load_hf

@@ -5,12 +5,11 @@ changes float weights lives here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 
 import numpy as np
 
-from ..formats.bitnest import LAYER_LINEARS, Planes, norm_readers
+from ..formats.bitnest import LAYER_LINEARS, norm_readers
 from ..formats.hadamard import r4_transform
 from .rotation import Rotation
 
@@ -118,47 +117,3 @@ def stored_head(
     if d is not None:
         head /= np.asarray(d, np.float32)
     return head
-
-
-def write_package(
-    out_dir: str | Path,
-    weights: Mapping[str, np.ndarray],
-    config: dict,
-    *,
-    tokenizer_dir: str | Path | None = None,
-    name: str | None = None,
-    source_model: str | None = None,
-    quantize: Callable[[str, np.ndarray], Planes] | None = None,
-    notes: dict | None = None,
-    r3: bool = False,
-    kv_group: int | None = None,
-    smoothing: Mapping[str, np.ndarray] | None = None,
-    group_size: int | None = None,
-) -> Path:
-    """Write float Llama/Qwen2 weights (HF names) as a package: norms folded, R4 fused, RTN
-    (no rotation, no calibration; `convert.convert` does those), through the converter's own
-    streaming pipeline.
-
-    `smoothing` ({norm weight name: d [D] > 0}) stores d as those norm weights and divides the
-    columns of the Linears reading them by d after folding (`smooth_linears`): the package says
-    `norms.smoothing: true` (§2.5). `quantize(name, w)` replaces RTN (e.g. GPTQ hi codes via
-    `planes_from_codes`); it is called once per Linear in forward order (layer 0 q, k, v, o,
-    gate, up, down, layer 1, ..., lm_head) with the weight as stored (norms folded, R4 fused).
-    """
-    from .pipeline import build
-    from .sources import Source
-
-    tok = Path(tokenizer_dir) if tokenizer_dir is not None else None
-    source = Source.from_arrays(weights, config, tok, name or Path(out_dir).name)
-    return build(
-        out_dir,
-        source,
-        quantize=quantize,
-        name=name,
-        source_model=source_model,
-        notes=notes,
-        r3=r3,
-        kv_group=kv_group,
-        smoothing=smoothing,
-        group_size=group_size,
-    )

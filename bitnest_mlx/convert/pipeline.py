@@ -32,6 +32,7 @@ from .methods import Method
 from .package import layer_names, stored_embedding, stored_head, stored_layer
 from .rope import rope_params
 from .rotation import Rotation
+from .sources import Source
 from .stages import Stages
 
 # Quantizes one Linear: (full name, stored float weight [N, K], input Hessian or None)
@@ -240,3 +241,44 @@ def build(
     finally:
         if own_stages is not None:
             own_stages.close()
+
+
+def write_package(
+    out_dir: str | Path,
+    weights: Mapping[str, np.ndarray],
+    config: dict,
+    *,
+    tokenizer_dir: str | Path | None = None,
+    name: str | None = None,
+    source_model: str | None = None,
+    quantize: Callable[[str, np.ndarray], Planes] | None = None,
+    notes: dict | None = None,
+    r3: bool = False,
+    kv_group: int | None = None,
+    smoothing: Mapping[str, np.ndarray] | None = None,
+    group_size: int | None = None,
+) -> Path:
+    """Write float Llama/Qwen2 weights (HF names) as a package: norms folded, R4 fused, RTN
+    (no rotation, no calibration; `convert.convert` does those), through the converter's own
+    streaming pipeline.
+
+    `smoothing` ({norm weight name: d [D] > 0}) stores d as those norm weights and divides the
+    columns of the Linears reading them by d after folding (`smooth_linears`): the package says
+    `norms.smoothing: true` (§2.5). `quantize(name, w)` replaces RTN (e.g. GPTQ hi codes via
+    `planes_from_codes`); it is called once per Linear in forward order (layer 0 q, k, v, o,
+    gate, up, down, layer 1, ..., lm_head) with the weight as stored (norms folded, R4 fused).
+    """
+    tok = Path(tokenizer_dir) if tokenizer_dir is not None else None
+    source = Source.from_arrays(weights, config, tok, name or Path(out_dir).name)
+    return build(
+        out_dir,
+        source,
+        quantize=quantize,
+        name=name,
+        source_model=source_model,
+        notes=notes,
+        r3=r3,
+        kv_group=kv_group,
+        smoothing=smoothing,
+        group_size=group_size,
+    )
