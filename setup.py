@@ -70,7 +70,8 @@ setup(
         ]
     },
     extras_require={
-        "convert": ["gguf"],
+        # GGUF input: gguf reads and dequantizes, transformers builds the tokenizer.
+        "convert": ["gguf", "transformers>=5"],
         "test": ["pytest", "transformers>=5", "torch==2.13.0", "ruff", "jang==2.5.50", "gguf"],
     },
 )

@@ -1,28 +1,81 @@
-"""Real-model checks; skipped unless examples/real_model.py has fetched the GGUF into the cache."""
+"""Real-model checks; each skipped unless its GGUF is in the cache (examples/real_model.py
+fetches Qwen, examples/realmodels.py SmolLM2)."""
 
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 CACHE = Path(
     os.environ.get("BITNEST_REAL_MODEL_CACHE", Path.home() / ".cache/bitnest_mlx/realmodel")
 )
 GGUF = CACHE / "qwen2.5-coder-0.5b-instruct.gguf"
+SMOLLM2 = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-pytestmark = pytest.mark.skipif(
+needs_qwen = pytest.mark.skipif(
     not GGUF.is_file(), reason=f"real model not fetched ({GGUF}); run examples/real_model.py"
 )
+needs_smollm2 = pytest.mark.skipif(
+    not SMOLLM2.is_file(), reason=f"not fetched ({SMOLLM2}); run examples/realmodels.py"
+)
+TEXTS = [
+    "def fibonacci(n):\n    return n",
+    "The year 2024 had 366 days; 12345 + 3.14 = ?",
+    "  leading spaces, trailing tab\t and ünïcödé — 東京",
+]
 
 
-def test_gguf_tokenizer_reproduces_qwen_token_ids(tmp_path):
-    gguf = pytest.importorskip("gguf")
+def written_tokenizer(gguf: Path, out: Path):
+    pytest.importorskip("gguf")
+    pytest.importorskip("transformers")
     from mlx_lm.tokenizer_utils import load
 
-    from bitnest_mlx.convert.sources import _write_gguf_tokenizer
+    from bitnest_mlx.convert.gguf_source import _write_gguf_tokenizer
 
-    _write_gguf_tokenizer(gguf.GGUFReader(str(GGUF)), GGUF, tmp_path)
-    tok = load(tmp_path)
+    _write_gguf_tokenizer(gguf, out)
+    return load(out)
+
+
+@needs_qwen
+def test_gguf_tokenizer_reproduces_qwen_token_ids(tmp_path):
+    tok = written_tokenizer(GGUF, tmp_path)
     # Ids of the real Qwen2.5 tokenizer (docs/real-model-reference.md §3).
     assert tok.encode("def fibonacci(n):\n    return n") == [750, 75698, 1445, 982, 262, 470, 308]
     assert tok.convert_tokens_to_ids("<|im_start|>") == 151644
+
+
+@needs_smollm2
+def test_gguf_tokenizer_of_smollm2_is_transformers_own(tmp_path):
+    """SmolLM2's pre-tokenizer 'smollm' is one the hand-written rebuild refused."""
+    from transformers import AutoTokenizer
+
+    tok = written_tokenizer(SMOLLM2, tmp_path)
+    reference = AutoTokenizer.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name)
+    for text in TEXTS:
+        assert tok.encode(text) == reference(text)["input_ids"], text
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.convert_tokens_to_ids("<|im_start|>") == 1
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert chat.startswith("<|im_start|>")
+
+
+@needs_smollm2
+def test_smollm2_gguf_loads_as_a_llama_source(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from bitnest_mlx.convert.gguf_source import unpermute_qk
+    from bitnest_mlx.convert.sources import load_gguf
+
+    with load_gguf(SMOLLM2, tmp_path) as source:
+        c = source.config
+        assert (c["model_type"], c["num_hidden_layers"], c["hidden_size"]) == ("llama", 30, 576)
+        assert (c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]) == (9, 3, 64)
+        assert c["tie_word_embeddings"] and "lm_head.weight" not in source.names()
+        assert (c["rope_theta"], c["rope_scaling"], c["vocab_size"]) == (100000.0, None, 49152)
+        assert len(source.names()) == 2 + 30 * 9
+        assert source.shape("model.layers.0.self_attn.k_proj.weight") == (192, 576)
+        raw = next(
+            t for t in gguf.GGUFReader(str(SMOLLM2)).tensors if t.name == "blk.3.attn_k.weight"
+        )
+        want = unpermute_qk(gguf.quants.dequantize(raw.data, raw.tensor_type), 3)
+        np.testing.assert_array_equal(source.tensor("model.layers.3.self_attn.k_proj.weight"), want)
