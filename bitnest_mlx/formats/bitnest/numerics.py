@@ -121,11 +121,15 @@ def weight_scales(w: np.ndarray, group_size: int = GROUP_SIZE) -> np.ndarray:
     group (max/7.4375 and -min/8), so W8 never clips and W4 gets a ~6 % finer step than amax/7."""
     n, k = w.shape
     _check_group(k, group_size, [n, k])
-    wg = w.astype(np.float32).reshape(n, k // group_size, group_size)
-    s = np.maximum(wg.max(-1) / W8_MAX, -wg.min(-1) / 8)
-    s16 = np.maximum(s, 2.0**-14).astype(np.float16)
-    s16[s == 0] = 1
-    return s16
+    out = np.empty((n, k // group_size), np.float16)
+    step = _rows_per_block(k)
+    for r in range(0, n, step):
+        wg = w[r : r + step].astype(np.float32).reshape(-1, k // group_size, group_size)
+        s = np.maximum(wg.max(-1) / W8_MAX, -wg.min(-1) / 8)
+        s16 = np.maximum(s, 2.0**-14).astype(np.float16)
+        s16[s == 0] = 1
+        out[r : r + step] = s16
+    return out
 
 
 def planes_from_codes(
@@ -155,6 +159,46 @@ def planes_from_codes(
             f"[{n}, {k}] at group_size {group_size}"
         )
     s16 = s16.reshape(n, k // group_size)
+    codes = None if codes is None else np.asarray(codes).reshape(n, k)
+    residual = None if residual is None else np.asarray(residual).reshape(n, k)
+    hi, lo = np.empty((n, k // 2), np.uint8), np.empty((n, k // 2), np.uint8)
+    saturated, err8, err4, norm2, wmax = 0, 0.0, 0.0, 0.0, 1e-30
+    step = _rows_per_block(k)  # a vocabulary-sized lm_head would need GBs of temporaries at once
+    for r in range(0, n, step):
+        rows = slice(r, r + step)
+        part = _plane_rows(
+            w[rows],
+            s16[rows],
+            None if codes is None else codes[rows],
+            None if residual is None else residual[rows],
+            group_size,
+        )
+        hi[rows], lo[rows] = part[0], part[1]
+        saturated += part[2]
+        err8, err4, norm2, wmax = (
+            max(err8, part[3]),
+            err4 + part[4],
+            norm2 + part[5],
+            max(wmax, part[6]),
+        )
+    return Planes(
+        hi=hi,
+        lo=lo,
+        scales=s16,
+        saturation=saturated / max(n * k, 1),
+        w8_max_rel_err=err8 / wmax,
+        w4_rel_fro_err=float(np.sqrt(err4) / max(np.sqrt(norm2), 1e-30)),
+    )
+
+
+def _rows_per_block(k: int) -> int:
+    return max(1, 2**22 // k)
+
+
+def _plane_rows(w, s16, codes, residual, group_size: int) -> tuple:
+    """`planes_from_codes` on a block of rows: (hi, lo, saturated count, max |W8 - W|,
+    ||W4 - W||², ||W||², max |W|)."""
+    n, k = w.shape
     wg = w.astype(np.float32).reshape(n, k // group_size, group_size)
     # Codes are computed from the fp16 scale actually stored, so dequantization is consistent.
     s = s16.astype(np.float32)[..., None]
@@ -174,14 +218,14 @@ def planes_from_codes(
             raise ValueError("lo codes must lie in [-8, 7], and in [0, 7] where q4 = -8")
     w4 = q4 * s
     w8 = nested(w4, qr * s)
-    wmax = max(float(np.abs(wg).max()), 1e-30)
-    return Planes(
-        hi=pack_nibbles((q4 + 8).reshape(n, k)),
-        lo=pack_nibbles((qr + 8).reshape(n, k)),
-        scales=s16,
-        saturation=float(np.mean(raw != qr)),
-        w8_max_rel_err=float(np.abs(w8 - wg).max() / wmax),
-        w4_rel_fro_err=float(np.linalg.norm(w4 - wg) / max(np.linalg.norm(wg), 1e-30)),
+    return (
+        pack_nibbles((q4 + 8).reshape(n, k)),
+        pack_nibbles((qr + 8).reshape(n, k)),
+        int(np.count_nonzero(raw != qr)),
+        float(np.abs(w8 - wg).max()),
+        float(np.sum((w4 - wg).astype(np.float64) ** 2)),
+        float(np.sum(wg.astype(np.float64) ** 2)),
+        float(np.abs(wg).max()),
     )
 
 
