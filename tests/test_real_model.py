@@ -31,9 +31,9 @@ def written_tokenizer(gguf: Path, out: Path):
     pytest.importorskip("transformers")
     from mlx_lm.tokenizer_utils import load
 
-    from bitnest_mlx.convert.gguf_source import _write_gguf_tokenizer
+    from bitnest_mlx.convert.gguf_source import _gguf_header, _write_gguf_tokenizer
 
-    _write_gguf_tokenizer(gguf, out)
+    _write_gguf_tokenizer(gguf, _gguf_header(gguf)[0], out)
     return load(out)
 
 

@@ -21,6 +21,7 @@ from factory import VOCAB, float_weights, state, tiny_dims, tiny_hf  # noqa: E40
 
 from bitnest_mlx.convert.gguf_source import (  # noqa: E402
     _bos_eos_template,
+    _gguf_header,
     _gguf_tokenizer,
     _gguf_tokenizer_public,
     unpermute_qk,
@@ -210,19 +211,42 @@ def test_gguf_add_bos_token_is_what_the_written_tokenizer_does(tmp_path, add_bos
     assert load_tokenizer(tmp_path / "tok").encode("hi") == [257] * add_bos + list(b"hi")
 
 
-def test_the_public_tokenizer_path_converts_like_the_internal_one(tmp_path):
-    """The fallback for transformers releases without `integrations.gguf`; its loader already
-    applies add_bos_token the way `_bos_eos_template` does for the internal converter."""
+def test_gguf_tokenizer_is_the_one_transformers_reads_from_the_file(tmp_path):
+    """Built from our metadata as transformers' get_gguf_tokenizer builds it from its own read
+    of the file; the fallback for releases without `integrations.gguf` (AutoTokenizer) too,
+    whose loader already applies add_bos_token as `_bos_eos_template` does."""
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
     model = tiny_hf("llama")
-    write_gguf(tmp_path / "m.gguf", state(model), hf_config(model), add_bos=True)
-    internal, a = _gguf_tokenizer(tmp_path / "m.gguf")
-    public, b = _gguf_tokenizer_public(tmp_path / "m.gguf")
-    assert {k: v for k, v in a.items() if v} == {k: v for k, v in b.items() if v}
-    assert internal.to_str() != public.to_str()  # BOS: only the public loader adds it itself
-    internal.post_processor = _bos_eos_template(internal, a)
-    assert internal.to_str() == public.to_str()
-    public.post_processor = _bos_eos_template(public, b)
-    assert internal.to_str() == public.to_str()
+    path = tmp_path / "m.gguf"
+    write_gguf(path, state(model), hf_config(model), add_bos=True)
+    ours, a = _gguf_tokenizer(path, _gguf_header(path)[0])
+    arch, tokenizer, b = get_gguf_tokenizer(str(path))
+    assert ours.to_str() == convert_gguf_tokenizer(arch, tokenizer)[0].to_str() and a == b
+    public, c = _gguf_tokenizer_public(path)
+    assert {k: v for k, v in a.items() if v} == {k: v for k, v in c.items() if v}
+    assert ours.to_str() != public.to_str()  # BOS: only the public loader adds it itself
+    ours.post_processor = _bos_eos_template(ours, a)
+    assert ours.to_str() == public.to_str()
+    public.post_processor = _bos_eos_template(public, c)
+    assert ours.to_str() == public.to_str()
+
+
+def test_gguf_loads_without_torch(tmp_path):
+    """transformers' GGUF reader imports torch; the converter's path through it must not."""
+    model = tiny_hf("qwen2")
+    write_gguf(tmp_path / "m.gguf", state(model), hf_config(model))
+    script = (
+        "import sys; sys.modules['torch'] = None\n"  # import torch now fails
+        "from pathlib import Path\n"
+        "from bitnest_mlx.convert.sources import load_gguf\n"
+        f"s = load_gguf(Path({str(tmp_path / 'm.gguf')!r}), Path({str(tmp_path / 'tok')!r}))\n"
+        "print(len(s.names()), s.tensor('model.norm.weight').shape)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[0] == str(len(state(model)))
+    assert (tmp_path / "tok" / "tokenizer.json").is_file()
 
 
 def test_gguf_of_another_architecture_is_refused_by_name(tmp_path):

@@ -51,13 +51,11 @@ class _GGUFTensor(NamedTuple):
 
 
 _CHUNK_BYTES = 1 << 22  # raw bytes dequantized at a time
-# Array fields of the vocabulary: the tokenizer is built from the file by transformers instead.
-_VOCABULARY = {f"tokenizer.ggml.{k}" for k in ("tokens", "scores", "token_type", "merges")}
 
 
 def _gguf_header(path: Path) -> tuple[dict, dict[str, _GGUFTensor]]:
-    """(metadata without the vocabulary arrays, tensors by GGUF name). GGUFReader keeps a numpy
-    view per vocabulary string (~0.5 GB for 150k tokens); it is dropped on return."""
+    """(metadata as plain values, tensors by GGUF name). GGUFReader keeps numpy views of every
+    vocabulary string (~0.5 GB for 150k tokens); nothing of it leaves here, so it is freed."""
     try:
         import gguf
     except ImportError as e:
@@ -66,7 +64,7 @@ def _gguf_header(path: Path) -> tuple[dict, dict[str, _GGUFTensor]]:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:
         raise SourceError(f"{path}: unreadable GGUF file ({e})") from e
-    fields = {k: f.contents() for k, f in reader.fields.items() if k not in _VOCABULARY}
+    fields = {k: f.contents() for k, f in reader.fields.items()}
     tensors = {
         t.name: _GGUFTensor(
             t.name,
@@ -182,7 +180,7 @@ def load_gguf(path: str | Path, tokenizer_out: Path) -> Source:
             },
             str(path),
         )
-        _write_gguf_tokenizer(path, tokenizer_out)
+        _write_gguf_tokenizer(path, fields, tokenizer_out)
     except BaseException:
         mapped.close()
         raise
@@ -212,17 +210,34 @@ def _gguf_tokenizer_public(path: Path):
     return tok.backend_tokenizer, {k: getattr(tok, k, None) for k in _TOKENIZER_SETTINGS}
 
 
-def _gguf_tokenizer(path: Path):
-    """(tokenizers.Tokenizer, settings) from transformers' GGUF tokenizer converter."""
+def _gguf_tokenizer(path: Path, fields: dict):
+    """(tokenizers.Tokenizer, settings) from transformers' GGUF tokenizer converter, given the
+    file's metadata: transformers' own reader of it (`get_gguf_tokenizer`) needs torch."""
     try:
-        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+        from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
     except ImportError:
         return _gguf_tokenizer_public(path)
-    arch, tokenizer, settings = get_gguf_tokenizer(str(path))
-    return convert_gguf_tokenizer(arch, tokenizer)[0], settings
+    # What get_gguf_tokenizer does with the same metadata (its key names, its defaults).
+    tokenizer, settings = (
+        {
+            name: fields[f"tokenizer.{key}"]
+            for key, name in renames.items()
+            if f"tokenizer.{key}" in fields
+        }
+        for renames in (
+            GGUF_TOKENIZER_MAPPING["tokenizer"],
+            GGUF_TOKENIZER_MAPPING["tokenizer_config"],
+        )
+    )
+    if tokenizer.get("tokenizer_type") == "llama":  # llama.cpp adds BOS to SentencePiece
+        settings.setdefault("add_bos_token", True)
+    for special in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        i = tokenizer.get(f"{special}_id")
+        settings[special] = None if i is None else tokenizer["tokens"][int(i)]
+    return convert_gguf_tokenizer(fields["general.architecture"], tokenizer)[0], settings
 
 
-def _write_gguf_tokenizer(path: Path, out: Path) -> None:
+def _write_gguf_tokenizer(path: Path, fields: dict, out: Path) -> None:
     """tokenizer.json + tokenizer_config.json (chat template, special tokens, add_bos_token) of a
     GGUF, built by transformers so every vocabulary and pre-tokenizer it knows is read the same
     way as `AutoTokenizer.from_pretrained(..., gguf_file=...)` reads it."""
@@ -233,7 +248,7 @@ def _write_gguf_tokenizer(path: Path, out: Path) -> None:
             f"{path}: reading a GGUF's tokenizer needs transformers: {INSTALL}"
         ) from e
     try:
-        backend, settings = _gguf_tokenizer(path)
+        backend, settings = _gguf_tokenizer(path, fields)
     except Exception as e:
         raise SourceError(f"{path}: transformers cannot build its tokenizer ({e})") from e
     backend.post_processor = _bos_eos_template(backend, settings)
