@@ -50,9 +50,6 @@ class _GGUFTensor(NamedTuple):
     raw_shape: tuple[int, ...]
 
 
-_CHUNK_BYTES = 1 << 22  # raw bytes dequantized at a time
-
-
 def _gguf_header(path: Path) -> tuple[dict, dict[str, _GGUFTensor]]:
     """(metadata as plain values, tensors by GGUF name). GGUFReader keeps numpy views of every
     vocabulary string (~0.5 GB for 150k tokens); nothing of it leaves here, so it is freed."""
@@ -79,26 +76,26 @@ def _gguf_header(path: Path) -> tuple[dict, dict[str, _GGUFTensor]]:
     return fields, tensors
 
 
-def _dequantizer(path: Path, t: _GGUFTensor, heads: int | None):
-    """raw tensor bytes -> float32 [out, in]; q/k of arch llama un-permuted over `heads`."""
+def _dequantize(path: Path, t: _GGUFTensor, raw: np.ndarray) -> np.ndarray:
     from gguf.quants import dequantize
 
-    def convert(raw: np.ndarray) -> np.ndarray:
-        # By rows (blocks never straddle one), so dequantize's temporaries, several times the
-        # float32 result, stay at a few MB instead of adding up to a 1.5 GB embedding's.
-        step = max(1, _CHUNK_BYTES // max(1, raw[0].nbytes)) if raw.ndim > 1 else len(raw) or 1
-        out = None
-        for i in range(0, len(raw), step):
-            try:
-                w = dequantize(raw[i : i + step], t.qtype)
-            except NotImplementedError as e:
-                raise SourceError(f"{path}: tensor {t.name} has type {t.qtype.name} ({e})") from e
-            if out is None:
-                out = np.empty((len(raw), *w.shape[1:]), np.float32)
-            out[i : i + step] = w
-        return out if heads is None else unpermute_qk(out, heads)
+    try:
+        return dequantize(raw, t.qtype)
+    except NotImplementedError as e:
+        raise SourceError(f"{path}: tensor {t.name} has type {t.qtype.name} ({e})") from e
 
-    return convert
+
+def _reader(
+    mapped: _Mapped, path: Path, t: _GGUFTensor, heads: int | None
+) -> Callable[[], np.ndarray]:
+    """Reads `t` as float32 [out, in] (by rows: quantized blocks never straddle one); q/k of
+    arch llama un-permuted over `heads`."""
+
+    def read() -> np.ndarray:
+        w = mapped.read(t.offset, t.raw_dtype, t.raw_shape, partial(_dequantize, path, t))
+        return w if heads is None else unpermute_qk(w, heads)
+
+    return read
 
 
 def load_gguf(path: str | Path, tokenizer_out: Path) -> Source:
@@ -141,17 +138,13 @@ def load_gguf(path: str | Path, tokenizer_out: Path) -> Source:
 
     mapped = _Mapped(path)
 
-    def reader_of(t: _GGUFTensor, heads: int | None) -> Callable[[], np.ndarray]:
-        convert = _dequantizer(path, t, heads)
-        return partial(mapped.read, t.offset, t.raw_dtype, t.raw_shape, convert)
-
     try:
         theta = meta("rope.freq_base", 10000.0, float)
         max_positions = meta("context_length", 4096)
         try:
             scaling = gguf_rope_scaling(
                 lambda key: fields.get(f"{arch}.rope.scaling.{key}"),
-                None if rope_freqs is None else reader_of(rope_freqs, None)(),
+                None if rope_freqs is None else _reader(mapped, path, rope_freqs, None)(),
                 theta,
                 head_dim,
                 max_positions,
@@ -189,7 +182,7 @@ def load_gguf(path: str | Path, tokenizer_out: Path) -> Source:
         config,
         tokenizer_out,
         name,
-        {k: _Entry(t.shape, reader_of(t, heads)) for k, (t, heads) in readers.items()},
+        {k: _Entry(t.shape, _reader(mapped, path, t, heads)) for k, (t, heads) in readers.items()},
         mapped.close,
     )
 

@@ -114,10 +114,14 @@ def _complete(config: dict, where: str) -> dict:
     return config
 
 
+_BLOCK_BYTES = 1 << 22  # file bytes converted at a time
+
+
 class _Mapped:
-    """A read-only map of one file. A tensor's pages leave this process's resident set once it
-    is converted (the page cache still has them), so RSS stays at the tensors in use instead of
-    growing to the size of the file."""
+    """A read-only map of one file, read a tensor at a time: by blocks of rows, each block's
+    pages dropped from this process's resident set once converted (the page cache keeps them).
+    Neither the file's pages nor a converter's temporaries (several times the float32 result
+    when dequantizing) add up beyond a block: a tensor costs its float32 result."""
 
     def __init__(self, path: Path) -> None:
         with open(path, "rb") as f:
@@ -130,16 +134,24 @@ class _Mapped:
         shape: tuple[int, ...],
         convert: Callable[[np.ndarray], np.ndarray],
     ) -> np.ndarray:
+        """float32 `convert(rows)` of the array of `dtype` and `shape` at `offset`, by rows."""
         raw = np.ndarray(shape, dtype, buffer=self.map, offset=offset)
-        end = offset + raw.nbytes
-        out = convert(raw)
-        if np.may_share_memory(out, raw):  # e.g. float32 stored as is: never hand out the map
-            out = out.copy()
-        del raw  # close() refuses while an array still exports the map
-        if hasattr(self.map, "madvise") and end > offset:  # no madvise on Windows
-            start = offset - offset % mmap.PAGESIZE
-            self.map.madvise(mmap.MADV_DONTNEED, start, end - start)
+        row = raw[0].nbytes if raw.ndim > 1 and len(raw) else raw.nbytes
+        step = max(1, _BLOCK_BYTES // max(1, row)) if raw.ndim > 1 else max(1, len(raw))
+        out = np.empty(0, np.float32)
+        for i in range(0, len(raw), step):
+            part = convert(raw[i : i + step])
+            if i == 0:
+                out = np.empty((len(raw), *part.shape[1:]), np.float32)
+            out[i : i + step] = part
+            self._drop(offset + i * row, offset + min(i + step, len(raw)) * row)
+        del raw, part  # close() refuses while an array still exports the map
         return out
+
+    def _drop(self, begin: int, end: int) -> None:
+        if hasattr(self.map, "madvise") and end > begin:  # no madvise on Windows
+            start = begin - begin % mmap.PAGESIZE
+            self.map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
         self.map.close()
