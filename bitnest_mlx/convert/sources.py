@@ -202,7 +202,7 @@ def _shards(path: Path) -> list[Path]:
 
 
 def _hf_tensors(f: Path, mapped: _Mapped) -> dict[str, _Entry]:
-    check_safetensors(f, SourceError)  # size and header sanity, so the header can be trusted
+    """The tensors of one safetensors file (its header checked by `check_safetensors`)."""
     with open(f, "rb") as fh:
         n = int.from_bytes(fh.read(8), "little")
         header = json.loads(fh.read(n))
@@ -234,6 +234,7 @@ def load_hf(path: str | Path) -> Source:
     tensors: dict[str, _Entry] = {}
     try:
         for f in _shards(path):
+            check_safetensors(f, SourceError)  # size and header sanity: the header is trusted
             try:
                 maps.append(_Mapped(f))
             except (OSError, ValueError) as e:
