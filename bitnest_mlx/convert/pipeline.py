@@ -119,6 +119,7 @@ def build(
     stages: Stages | None = None,
     progress: bool = False,
     per_linear: dict[str, dict] | None = None,
+    shard_bytes: int = 2 * 2**30,
 ) -> Path:
     """Write `source` (a `sources.Source`) as a package in `out_dir`.
 
@@ -177,6 +178,7 @@ def build(
             r3=r3,
             kv_group=kv_group,
             norms=None if smoothing is None else dict(smoothing),
+            shard_bytes=shard_bytes,
         )
         with stages("read"):
             embed_f32 = _checked(
