@@ -13,7 +13,7 @@ import numpy as np
 
 from ..formats.bitnest import ARCHS
 from .rope import gguf_rope_scaling
-from .sources import INSTALL, Source, SourceError, _complete, _Entry, _Mapped
+from .source_base import INSTALL, Entry, MappedFile, Source, SourceError, complete_hf_config
 
 _GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -86,7 +86,7 @@ def _dequantize(path: Path, t: _GGUFTensor, raw: np.ndarray) -> np.ndarray:
 
 
 def _reader(
-    mapped: _Mapped, path: Path, t: _GGUFTensor, heads: int | None
+    mapped: MappedFile, path: Path, t: _GGUFTensor, heads: int | None
 ) -> Callable[[], np.ndarray]:
     """Reads `t` as float32 [out, in] (by rows: quantized blocks never straddle one); q/k of
     arch llama un-permuted over `heads`."""
@@ -136,7 +136,7 @@ def load_gguf(path: str | Path, tokenizer_out: Path) -> Source:
             name, heads = f"model.layers.{parts[1]}.{layer}.{parts[3]}", permuted.get(layer)
         readers[name] = (t, heads)
 
-    mapped = _Mapped(path)
+    mapped = MappedFile(path)
 
     try:
         theta = meta("rope.freq_base", 10000.0, float)
@@ -153,7 +153,7 @@ def load_gguf(path: str | Path, tokenizer_out: Path) -> Source:
             raise
         except ValueError as e:
             raise SourceError(f"{path}: {e}") from e
-        config = _complete(
+        config = complete_hf_config(
             {
                 "model_type": arch,
                 "hidden_size": hidden,
@@ -182,7 +182,7 @@ def load_gguf(path: str | Path, tokenizer_out: Path) -> Source:
         config,
         tokenizer_out,
         name,
-        {k: _Entry(t.shape, _reader(mapped, path, t, heads)) for k, (t, heads) in readers.items()},
+        {k: Entry(t.shape, _reader(mapped, path, t, heads)) for k, (t, heads) in readers.items()},
         mapped.close,
     )
 
