@@ -242,6 +242,15 @@ def test_gguf_loads_without_torch(tmp_path):
     assert (tmp_path / "tok" / "tokenizer.json").is_file()
 
 
+def test_gguf_without_transformers_says_what_to_install(tmp_path, monkeypatch):
+    """(mlx-lm needs transformers too: the `convert` extra is there for its version.)"""
+    model = tiny_hf("qwen2")
+    write_gguf(tmp_path / "m.gguf", state(model), hf_config(model))
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now fails
+    with pytest.raises(SourceError, match=r"m\.gguf: .* needs transformers: pip install 'bitnest"):
+        load_gguf(tmp_path / "m.gguf", tmp_path / "tok")
+
+
 def test_gguf_of_another_architecture_is_refused_by_name(tmp_path):
     writer = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
     writer.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))

@@ -4,6 +4,7 @@ demand) and the memory-mapped file its readers share (sources.py: HF, gguf_sourc
 from __future__ import annotations
 
 import mmap
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -93,7 +94,7 @@ def complete_hf_config(config: dict, where: str) -> dict:
     if config.get("model_type") not in ARCHS:
         raise SourceError(f"{where}: model_type {config.get('model_type')!r}, expected {ARCHS}")
     dims = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-    missing = [k for k in dims if not isinstance(config.get(k), int)]
+    missing = [k for k in dims if not isinstance(config.get(k), numbers.Integral)]
     if missing:
         raise SourceError(f"{where}: config has no integer {', '.join(missing)}")
     config["num_key_value_heads"] = (
