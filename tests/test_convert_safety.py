@@ -15,6 +15,7 @@ from factory import tiny_hf  # noqa: E402
 import bitnest_mlx.convert as convert_module  # noqa: E402
 from bitnest_mlx.cli.convert import main  # noqa: E402
 from bitnest_mlx.convert import OutputError, atomic_directory, check_output, convert  # noqa: E402
+from bitnest_mlx.convert.methods import Method  # noqa: E402
 from bitnest_mlx.demo import write_tokenizer  # noqa: E402
 
 
@@ -105,17 +106,20 @@ def test_an_existing_empty_out_is_written_without_force(hf, tmp_path):
 
 
 class Interrupt:
-    """planes_from_codes that raises `error` on the second Linear (after the first is done)."""
+    """Method.quantize that raises `error` on the second Linear (after the first is done)."""
 
     def __init__(self, error: BaseException):
         self.error, self.calls = error, 0
-        self.real = convert_module.planes_from_codes
+        self.real = Method.quantize
 
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        if self.calls == 2:
-            raise self.error
-        return self.real(*args, **kwargs)
+    def patch(self, monkeypatch) -> None:
+        def quantize(method, *args, **kwargs):
+            self.calls += 1
+            if self.calls == 2:
+                raise self.error
+            return self.real(method, *args, **kwargs)
+
+        monkeypatch.setattr(Method, "quantize", quantize)
 
 
 @pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("disk on fire")])
@@ -123,7 +127,7 @@ def test_an_interrupted_conversion_leaves_neither_out_nor_a_temporary_folder(
     hf, tmp_path, monkeypatch, error
 ):
     interrupt = Interrupt(error)
-    monkeypatch.setattr(convert_module, "planes_from_codes", interrupt)
+    interrupt.patch(monkeypatch)
     out = tmp_path / "pkg"
     with pytest.raises(type(error)):
         convert(out=out, hf_path=hf, method="rtn", scratch=tmp_path)
@@ -135,7 +139,7 @@ def test_an_interrupted_forced_conversion_keeps_the_old_package(hf, tmp_path, mo
     out = tmp_path / "pkg"
     out.mkdir()
     (out / "old.txt").write_text("old")
-    monkeypatch.setattr(convert_module, "planes_from_codes", Interrupt(KeyboardInterrupt()))
+    Interrupt(KeyboardInterrupt()).patch(monkeypatch)
     code, err = run(["--hf-path", str(hf), "--out", str(out), "--force"], capsys)
     assert code == 130 and len(err) == 1 and "interrupted" in err[-1]
     assert digest(out) == {"old.txt": hashlib.sha256(b"old").hexdigest()}
