@@ -11,7 +11,6 @@ transformers = pytest.importorskip("transformers")
 
 from bitnest_mlx.convert.calibrate import Calibration  # noqa: E402
 from bitnest_mlx.convert.package import stored_embedding, stored_layer  # noqa: E402
-from bitnest_mlx.convert.pipeline import complete_config  # noqa: E402
 from bitnest_mlx.convert.sources import Source  # noqa: E402
 from bitnest_mlx.formats.bitnest.writer import PackageWriter  # noqa: E402
 from bitnest_mlx.formats.hadamard import hadamard_k, split_k  # noqa: E402
@@ -62,7 +61,7 @@ def calibration_hidden_states(config: dict, weights: dict, tokens: np.ndarray) -
     import mlx.core as mx
 
     source = Source.from_arrays(weights, config)
-    c = complete_config(source.config)
+    c = source.config
     had = hadamard_k(split_k(c["intermediate_size"]))
     spec = PackageWriter.spec_for(c, had_k=had)
     calib = Calibration(spec, mx.array(stored_embedding(source, None)), tokens, had)

@@ -365,12 +365,11 @@ def test_convert_smooth_writes_a_smoothed_package_that_tracks_the_source(
 def test_calibrated_methods_see_the_smoothed_norm_output_d_times_x():
     from bitnest_mlx.convert.calibrate import Calibration
     from bitnest_mlx.convert.package import stored_embedding, stored_layer
-    from bitnest_mlx.convert.pipeline import complete_config
     from bitnest_mlx.formats.bitnest.writer import PackageWriter
 
     model = tiny_hf("llama")
     source = Source.from_arrays(state(model), config_dict(model))
-    config = complete_config(source.config)
+    config = source.config
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 32))
     d = np.random.default_rng(1).uniform(0.5, 2.0, config["hidden_size"]).astype(np.float32)
     norms = {"model.layers.0.input_layernorm.weight": d}

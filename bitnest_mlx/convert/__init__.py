@@ -18,7 +18,7 @@ from .joint import W8_BUDGET
 from .methods import Method
 from .output import OutputError, atomic_directory, check_output
 from .package import fold_norms, smooth_linears
-from .pipeline import build, complete_config, write_package
+from .pipeline import build, write_package
 from .rotation import Rotation
 from .smoothing import smoothing_vectors
 from .sources import SourceError, load_gguf, load_hf
@@ -79,7 +79,7 @@ def convert(
         with atomic_directory(out, replace=force) as tmp:
             with stages("read"):
                 source = load_hf(hf_path) if hf_path else load_gguf(gguf, scratch / "tokenizer")
-            config = complete_config(source.config)
+            config = source.config
             try:
                 group = choose_group_size(
                     {k for _, k in linear_shapes(config).values()}, group_size

@@ -26,7 +26,7 @@ from ..formats.bitnest import (
 )
 from ..formats.hadamard import r4_transform
 from .joint import W8_BUDGET, budgeted_joint_planes, joint_codes, output_errors_vs_rtn
-from .sweep import Factor, hessian, sweep
+from .sweep import ColumnQuantizer, Factor, column_scales, hessian, sweep
 
 
 def gptq_codes(
@@ -34,52 +34,64 @@ def gptq_codes(
     h: np.ndarray | Factor,
     damp: float = 0.01,
     w8_slack: float | None = None,
+    *,
+    group_size: int = GROUP_SIZE,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """q4 codes in [-8, 7] [N, K] and fp16 scales [N, K/128] minimising ||X Wᵀ - X Ŵᵀ||.
+    """q4 codes in [-8, 7] [N, K] and fp16 scales [N, K/g] minimising ||X Wᵀ - X Ŵᵀ||, for
+    groups of g = `group_size` columns.
 
     The hi code is the W8 code's hi nibble, so every q4 that GPTQ moves off round(w/s) costs
     the target: its residual no longer fits the lo plane. `w8_slack` (in W8 steps s/16) allows
     only the hi codes of W8 codes within that distance of w, which bounds the W8 error by the
     slack (>= 0.5: RTN is always allowed); None leaves GPTQ free. Columns are swept in their
     natural order: under this constraint act-order made the draft worse on Qwen2.5-0.5B."""
-    scales = weight_scales(w)
-    s = np.repeat(scales.astype(np.float64), GROUP_SIZE, axis=1)
-    if w8_slack is None:
-        low, high = np.full(w.shape, -8.0), np.full(w.shape, 7.0)
-    else:
-        q8 = w / (s / 16)
-        low, high = (
-            np.floor((np.clip(f(q8 + d), -128, 119) + 8) / 16)
-            for f, d in ((np.ceil, -w8_slack), (np.floor, w8_slack))
-        )
+    scales = weight_scales(w, group_size)
 
-    def hi(values: np.ndarray, col: int) -> tuple:
-        q = np.clip(np.round(values / s[:, col]), low[:, col], high[:, col])
-        return q, q * s[:, col]
+    def for_rows(rows: slice) -> ColumnQuantizer:
+        s = column_scales(scales, rows)
+        k = w.shape[1]
+        low, high = np.full((k, 1), -8, np.int8), np.full((k, 1), 7, np.int8)  # or [K, R]
+        if w8_slack is not None:
+            q8 = w[rows].T / (np.repeat(s, group_size, axis=0) / 16)
+            low, high = (
+                np.floor((np.clip(f(q8 + d), -128, 119) + 8) / 16).astype(np.int8)
+                for f, d in ((np.ceil, -w8_slack), (np.floor, w8_slack))
+            )
 
-    return sweep(w, h, damp, lambda v, col: hi(v[0], col))[0], scales
+        def hi(values: np.ndarray, col: int) -> tuple:
+            sc = s[col // group_size]
+            q = np.clip(np.rint(values[0] / sc), low[col], high[col])
+            return q, q * sc
+
+        return hi
+
+    return sweep(w, h, damp, for_rows)[0], scales
 
 
 def gptq_residual_codes(
     w: np.ndarray, q4: np.ndarray, scales: np.ndarray, h: np.ndarray | Factor, damp: float = 0.01
 ) -> np.ndarray:
     """lo codes qr [N, K] for fixed hi codes, minimising the W8 output error with GPTQ's error
-    feedback: each column's grid is q4·s + qr·s/16, qr in [-8, 7] ([0, 7] where q4 = -8).
+    feedback: each column's grid is q4·s + qr·s/16, qr in [-8, 7] ([0, 7] where q4 = -8); the
+    group is K / (the scales' columns).
 
     GPTQ moves q4 off round(w/s) where that helps the draft, and the RTN residual cannot reach
     back (its range is ±s/2). Feeding the lo plane's error forward (act-order: largest inputs
     first) recovers the W8 accuracy: on Qwen2.5-0.5B with w8_slack 3 the target's perplexity
     went from +2 % over RTN back to RTN's."""
-    s = np.repeat(scales.astype(np.float64), GROUP_SIZE, axis=1)
-    base = q4.astype(np.float64) * s
-    low = np.where(q4 == -8, 0, -8)
+    group = w.shape[1] // scales.shape[1]
 
-    def lo(values: np.ndarray, col: int) -> tuple:
-        step = s[:, col] / 16
-        qr = np.clip(np.round((values - base[:, col]) / step), low[:, col], 7)
-        return qr, base[:, col] + qr * step
+    def for_rows(rows: slice) -> ColumnQuantizer:
+        s, hi = column_scales(scales, rows), np.ascontiguousarray(q4[rows].T)
 
-    return sweep(w, h, damp, lambda v, col: lo(v[0], col), act_order=True)[0]
+        def lo(values: np.ndarray, col: int) -> tuple:
+            step, base = s[col // group] / 16, hi[col] * s[col // group]
+            qr = np.clip(np.rint((values[0] - base) / step), np.where(hi[col] == -8, 0, -8), 7)
+            return qr, base + qr * step
+
+        return lo
+
+    return sweep(w, h, damp, for_rows, act_order=True)[0]
 
 
 def _rms_norm(x: np.ndarray, eps: float) -> np.ndarray:

@@ -17,7 +17,6 @@ import numpy as np
 from tqdm import tqdm
 
 from ..formats.bitnest import (
-    ARCHS,
     LAYER_LINEARS,
     WEIGHT_GROUPS,
     PackageError,
@@ -30,7 +29,6 @@ from ..formats.hadamard import hadamard_k, split_k
 from .calibrate import Calibration
 from .methods import Method
 from .package import layer_names, stored_embedding, stored_head, stored_layer
-from .rope import rope_params
 from .rotation import Rotation
 from .sources import Source
 from .stages import Stages
@@ -38,21 +36,6 @@ from .stages import Stages
 # Quantizes one Linear: (full name, stored float weight [N, K], input Hessian or None)
 # -> (planes, per-Linear diagnostics for the manifest).
 Quantizer = Callable[[str, np.ndarray, np.ndarray | None], tuple[Planes, dict]]
-
-
-def complete_config(config: dict) -> dict:
-    """The config with what the package needs resolved: kv heads, head_dim, RoPE (transformers
-    5 keeps it under `rope_parameters`); refuses an architecture the format does not cover."""
-    arch = config.get("model_type")
-    if arch not in ARCHS:
-        raise PackageError(f"model_type {arch!r} is not one of {ARCHS}")
-    config = dict(config)
-    config["rope_theta"], config["rope_scaling"] = rope_params(config)
-    config.setdefault("num_key_value_heads", config["num_attention_heads"])
-    config["head_dim"] = config.get("head_dim") or (
-        config["hidden_size"] // config["num_attention_heads"]
-    )
-    return config
 
 
 def _check_source(source, config: dict, group_size: int | None) -> int:
@@ -131,7 +114,7 @@ def build(
     own_stages = Stages() if stages is None else None
     stages = stages or own_stages
     try:
-        config = complete_config(source.config)
+        config = source.config  # completed by the source: head_dim, kv heads, RoPE
         group = _check_source(source, config, group_size)
         method = method or Method("rtn")
         if method.calibrated and quantize is None and tokens is None:

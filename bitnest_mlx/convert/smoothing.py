@@ -30,7 +30,6 @@ from ..formats.hadamard import hadamard_k, split_k
 from .calib import CALIB_TOKENS
 from .calibrate import Calibration
 from .package import LAYER_NORMS, stored_embedding, stored_head, stored_layer
-from .pipeline import complete_config
 from .rotation import Rotation
 from .sources import Source
 
@@ -87,7 +86,7 @@ def norm_inputs(
     weight as stored}) for every norm in forward order (final norm last), from the float model's
     forward over `tokens` [n_seq, seq_len]. `source` is a `sources.Source` or a
     `Source.from_arrays`; layers are read, folded and rotated one at a time."""
-    config = complete_config(config)
+    config = source.config  # completed by the source
     available = set(source.names())
     k = split_k(config["intermediate_size"])
     had = hadamard_k(k) if k > 1 else None
@@ -255,7 +254,7 @@ def _measure(source, calib, calib_tokens, calib_seq_len, rotate_kind, seed, sear
 
     from .calib import calibration_tokens
 
-    config = complete_config(source.config)
+    config = source.config
     rotation = None if rotate_kind == "none" else Rotation(config, rotate_kind, seed)
     tokens = calibration_tokens(
         load_tokenizer(Path(source.tokenizer_dir)), calib, calib_tokens, calib_seq_len

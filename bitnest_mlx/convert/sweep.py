@@ -6,10 +6,16 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..formats.bitnest import GROUP_SIZE
-
-# quantize(targets [P, N], column) -> (codes [C, N], dequantized [P, N])
+# quantize(targets [P, R], column) -> (codes [C, R], dequantized [P, R]), for one chunk of rows.
 ColumnQuantizer = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
+# rows -> the ColumnQuantizer of those output rows (it may prepare per-chunk grids).
+RowQuantizer = Callable[[slice], ColumnQuantizer]
+
+# Rows are independent given the Hessian factor, so the sweep runs over chunks of output rows
+# whose float64 state [P, K, rows] stays within this many bytes.
+CHUNK_BYTES = 256 * 2**20
+BLOCK = 128  # columns whose error reaches the rest of the chunk through one GEMM
+SUB_BLOCK = 16  # columns whose error reaches the rest of their block through one GEMM
 
 
 def hessian(x: np.ndarray) -> np.ndarray:
@@ -30,49 +36,111 @@ class Factor:
         h[self.dead, self.dead] = 1
         self.order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(len(h))
         h = h[self.order][:, self.order]
-        h[np.diag_indices_from(h)] += damp * np.mean(np.diag(h))
+        self.damping = damp * np.mean(np.diag(h))
+        h[np.diag_indices_from(h)] += self.damping
         self.u = np.linalg.cholesky(np.linalg.inv(h)).T
+
+
+def row_chunks(n: int, bytes_per_row: int, limit: int | None = None) -> list[slice]:
+    """Consecutive row ranges of at most `limit` (default CHUNK_BYTES) bytes at `bytes_per_row`,
+    one row at least."""
+    rows = max(1, (CHUNK_BYTES if limit is None else limit) // max(bytes_per_row, 1))
+    return [slice(r, min(r + rows, n)) for r in range(0, n, rows)]
+
+
+def column_scales(scales: np.ndarray, rows: slice) -> np.ndarray:
+    """The scales [N, K/g] of a chunk of rows as float64 [K/g, R]: column j's are row j // g."""
+    return np.ascontiguousarray(scales[rows].T, dtype=np.float64)
 
 
 def sweep(
     w: np.ndarray,
     h: np.ndarray | Factor,
     damp: float,
-    quantize: ColumnQuantizer,
+    quantize: RowQuantizer,
     *,
     targets: int = 1,
     act_order: bool = False,
+    chunk_bytes: int | None = None,
+    errors: np.ndarray | None = None,
 ) -> np.ndarray:
-    """GPTQ's column sweep in blocks of 128 over the damped H⁻¹'s upper Cholesky factor.
+    """GPTQ's column sweep over the damped H⁻¹'s upper Cholesky factor, in chunks of output rows.
 
     Each of the `targets` copies of w is a precision with its own error feedback: `quantize`
     rounds one column of every copy (they may share codes, as the nested W4/W8 codes do) and
     each copy's rounding error is fed forward to its own columns not yet quantized. So a copy
     always holds the values that would undo its precision's error so far. `act_order` sweeps
     the columns by decreasing Hessian diagonal (a given Factor carries its own order); the
-    grids (static groups) and the returned codes [C, N, K] keep the original column order."""
+    grids (static groups) and the returned codes [C, N, K] keep the original column order.
+    A row's codes do not depend on the chunking (`chunk_bytes`, default CHUNK_BYTES).
+
+    `errors` (float64 [targets]), if given, receives each copy's output error tr(E H Eᵀ) on the
+    undamped Hessian, E = w - its dequantized values, from the sweep's own accounting: the
+    scaled errors e it feeds forward satisfy E = e·U with H_d⁻¹ = UᵀU, so Σe² = tr(E H_d Eᵀ),
+    and H_d is H plus the damping (and a unit diagonal on dead inputs). This saves the
+    [N, K] x [K, K] product of computing it afterwards."""
     f = h if isinstance(h, Factor) else Factor(h, damp, act_order)
-    order, u = f.order, f.u
-    # [P, K, N]: transposed, so each column is a contiguous row.
-    wt = np.where(f.dead[:, None], 0.0, w.T.astype(np.float64))[order]
-    wt = np.repeat(wt[None], targets, axis=0)
-    k, n = wt.shape[1:]
-    codes: np.ndarray | None = None
-    for i1 in range(0, k, GROUP_SIZE):
-        i2 = min(i1 + GROUP_SIZE, k)
-        block, err = wt[:, i1:i2].copy(), np.zeros((targets, i2 - i1, n))
-        for j in range(i2 - i1):
-            col = i1 + j
-            c, value = quantize(block[:, j], order[col])
-            c = np.asarray(c).reshape(-1, n)
-            if codes is None:
-                codes = np.zeros((len(c), k, n), dtype=np.int8)
-            codes[:, col] = c
-            e = (block[:, j] - value) / u[col, col]
-            block[:, j:] -= u[col, col:i2][None, :, None] * e[:, None, :]
-            err[:, j] = e
-        if i2 < k:
-            wt[:, i2:] -= u[i1:i2, i2:].T @ err  # [P, K - i2, N], through BLAS
-    out = np.empty((len(codes), n, k), dtype=np.int8)
-    out[:, :, order] = codes.transpose(0, 2, 1)
+    n, k = w.shape
+    # The chunk's state: the copies, and the weight itself when errors are accounted.
+    copies = targets + (errors is not None)
+    out: np.ndarray | None = None
+    for rows in row_chunks(n, copies * k * 8, chunk_bytes):
+        codes = _sweep_rows(w[rows], f, quantize(rows), targets, errors)
+        if out is None:
+            out = np.empty((len(codes), n, k), dtype=np.int8)
+        out[:, rows][:, :, f.order] = codes.transpose(0, 2, 1)
+    assert out is not None
     return out
+
+
+def _sweep_rows(
+    w: np.ndarray,
+    f: Factor,
+    quantize: ColumnQuantizer,
+    targets: int,
+    errors: np.ndarray | None,
+) -> np.ndarray:
+    """Codes [C, K, R] in sweep order for the rows w [R, K]; adds to `errors` (see `sweep`).
+
+    Column j's value is its weight less the errors of the columns before it, each times
+    u[i, j]. Those updates are applied lazily and in bulk: the errors of a finished block reach
+    the rest of the chunk in one GEMM, those of a finished sub-block the rest of its block in
+    one GEMM, and within a sub-block each column gathers the few errors before it (a GEMV).
+    The state is float64, as the plain column-by-column sweep's: the codes equal its codes."""
+    u, order = f.u, f.order
+    # [K, R] in sweep order: transposed, so each column is a contiguous row.
+    w0 = np.where(f.dead[:, None], 0.0, w.T.astype(np.float64))[order]
+    wt = np.repeat(w0[None], targets, axis=0)  # [P, K, R], one copy per target
+    k, r = wt.shape[1:]
+    codes: np.ndarray | None = None
+    err = np.empty((targets, BLOCK, r))
+    # Σe², Σ(w - q)² over live inputs and over dead ones (see `sweep`).
+    sums = np.zeros((3, targets)) if errors is not None else None
+    for i1 in range(0, k, BLOCK):
+        i2 = min(i1 + BLOCK, k)
+        for j1 in range(i1, i2, SUB_BLOCK):
+            j2 = min(j1 + SUB_BLOCK, i2)
+            if j1 > i1:
+                wt[:, j1:j2] -= u[i1:j1, j1:j2].T @ err[:, : j1 - i1]
+            for col in range(j1, j2):
+                value = wt[:, col]
+                if col > j1:
+                    value -= u[j1:col, col] @ err[:, j1 - i1 : col - i1]
+                c, q = quantize(value, order[col])
+                c, q = np.reshape(c, (-1, r)), np.reshape(q, (targets, r))
+                if codes is None:
+                    codes = np.empty((len(c), k, r), dtype=np.int8)
+                codes[:, col] = c
+                np.divide(value - q, u[col, col], out=err[:, col - i1])
+                if sums is not None:
+                    d = w0[col] - q
+                    sums[1 + f.dead[order[col]]] += np.einsum("pr,pr->p", d, d)
+        e = err[:, : i2 - i1]
+        if sums is not None:
+            sums[0] += np.einsum("pbr,pbr->p", e, e)
+        if i2 < k:
+            wt[:, i2:] -= u[i1:i2, i2:].T @ e
+    if errors is not None and sums is not None:
+        errors += sums[0] - f.damping * (sums[1] + sums[2]) - sums[2]
+    assert codes is not None
+    return codes
