@@ -36,7 +36,7 @@ class Factor:
         h[self.dead, self.dead] = 1
         self.order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(len(h))
         h = h[self.order][:, self.order]
-        self.damping = damp * np.mean(np.diag(h))
+        self.damping = damp * np.mean(np.diag(h))  # added to the diagonal; see `sweep` errors
         h[np.diag_indices_from(h)] += self.damping
         self.u = np.linalg.cholesky(np.linalg.inv(h)).T
 
