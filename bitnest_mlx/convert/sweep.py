@@ -6,7 +6,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-# quantize(targets [P, R], column) -> (codes [C, R], dequantized [P, R]), for one chunk of rows.
+# quantize(targets [P, R], column) -> (codes [C, R], dequantized [P, R]) (arrays; [R] for C, P = 1),
+# for one chunk of rows.
 ColumnQuantizer = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
 # rows -> the ColumnQuantizer of those output rows (it may prepare per-chunk grids).
 RowQuantizer = Callable[[slice], ColumnQuantizer]
@@ -14,8 +15,8 @@ RowQuantizer = Callable[[slice], ColumnQuantizer]
 # Rows are independent given the Hessian factor, so the sweep runs over chunks of output rows
 # whose float64 state [P, K, rows] stays within this many bytes.
 CHUNK_BYTES = 256 * 2**20
-BLOCK = 128  # columns whose error reaches the rest of the chunk through one GEMM
-SUB_BLOCK = 16  # columns whose error reaches the rest of their block through one GEMM
+BLOCK = 128  # columns that receive the errors of all earlier columns through one GEMM
+SUB_BLOCK = 16  # columns that receive those of their block's earlier columns through one GEMM
 
 
 def hessian(x: np.ndarray) -> np.ndarray:
@@ -102,44 +103,47 @@ def _sweep_rows(
 ) -> np.ndarray:
     """Codes [C, K, R] in sweep order for the rows w [R, K]; adds to `errors` (see `sweep`).
 
-    Column j's value is its weight less the errors of the columns before it, each times
-    u[i, j]. Those updates are applied lazily and in bulk: the errors of a finished block reach
-    the rest of the chunk in one GEMM, those of a finished sub-block the rest of its block in
-    one GEMM, and within a sub-block each column gathers the few errors before it (a GEMV).
-    The state is float64, as the plain column-by-column sweep's: the codes equal its codes."""
+    Column j's value is its weight less the scaled errors e_i of the columns before it, each
+    times u[i, j]. A quantized column's error takes its place in the state, and the updates
+    are gathered late and in bulk (left-looking): a block of columns receives the errors of
+    all earlier blocks in one GEMM, a sub-block those of its block's earlier sub-blocks, and a
+    column those of its sub-block's earlier columns (a GEMV). Each output is small, so the
+    state is read, not rewritten, once per block. The state is float64, as the plain
+    column-by-column sweep's: the codes equal its codes."""
     u, order = f.u, f.order
     # [K, R] in sweep order: transposed, so each column is a contiguous row.
-    w0 = np.where(f.dead[:, None], 0.0, w.T.astype(np.float64))[order]
+    w0 = w.T[order].astype(np.float64)
+    w0[f.dead[order]] = 0
     wt = np.repeat(w0[None], targets, axis=0)  # [P, K, R], one copy per target
     k, r = wt.shape[1:]
     codes: np.ndarray | None = None
-    err = np.empty((targets, BLOCK, r))
     # Σe², Σ(w - q)² over live inputs and over dead ones (see `sweep`).
     sums = np.zeros((3, targets)) if errors is not None else None
     for i1 in range(0, k, BLOCK):
         i2 = min(i1 + BLOCK, k)
+        if i1:
+            wt[:, i1:i2] -= u[:i1, i1:i2].T @ wt[:, :i1]
         for j1 in range(i1, i2, SUB_BLOCK):
             j2 = min(j1 + SUB_BLOCK, i2)
             if j1 > i1:
-                wt[:, j1:j2] -= u[i1:j1, j1:j2].T @ err[:, : j1 - i1]
+                wt[:, j1:j2] -= u[i1:j1, j1:j2].T @ wt[:, i1:j1]
             for col in range(j1, j2):
                 value = wt[:, col]
                 if col > j1:
-                    value -= u[j1:col, col] @ err[:, j1 - i1 : col - i1]
+                    value -= u[j1:col, col] @ wt[:, j1:col]
                 c, q = quantize(value, order[col])
-                c, q = np.reshape(c, (-1, r)), np.reshape(q, (targets, r))
+                c, q = c.reshape(-1, r), q.reshape(targets, r)
                 if codes is None:
                     codes = np.empty((len(c), k, r), dtype=np.int8)
                 codes[:, col] = c
-                np.divide(value - q, u[col, col], out=err[:, col - i1])
                 if sums is not None:
                     d = w0[col] - q
                     sums[1 + f.dead[order[col]]] += np.einsum("pr,pr->p", d, d)
-        e = err[:, : i2 - i1]
+                value -= q  # the column's state becomes its scaled error
+                value /= u[col, col]
         if sums is not None:
+            e = wt[:, i1:i2]
             sums[0] += np.einsum("pbr,pbr->p", e, e)
-        if i2 < k:
-            wt[:, i2:] -= u[i1:i2, i2:].T @ e
     if errors is not None and sums is not None:
         errors += sums[0] - f.damping * (sums[1] + sums[2]) - sums[2]
     assert codes is not None
