@@ -114,7 +114,8 @@ def _sweep_rows(
     # [K, R] in sweep order: transposed, so each column is a contiguous row.
     w0 = w.T[order].astype(np.float64)
     w0[f.dead[order]] = 0
-    wt = np.repeat(w0[None], targets, axis=0)  # [P, K, R], one copy per target
+    # [P, K, R], one copy per target (w0 itself when nothing else needs it)
+    wt = w0[None] if targets == 1 and errors is None else np.repeat(w0[None], targets, axis=0)
     k, r = wt.shape[1:]
     codes: np.ndarray | None = None
     # Σe², Σ(w - q)² over live inputs and over dead ones (see `sweep`).
