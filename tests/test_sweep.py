@@ -6,7 +6,12 @@ import pytest
 
 from bitnest_mlx.convert import sweep as sweep_module
 from bitnest_mlx.convert.gptq import gptq_codes, gptq_residual_codes
-from bitnest_mlx.convert.joint import budgeted_joint_planes, joint_codes, output_errors
+from bitnest_mlx.convert.joint import (
+    budgeted_joint_planes,
+    joint_codes,
+    output_errors,
+    search_scales,
+)
 from bitnest_mlx.convert.sweep import Factor, hessian, sweep
 from bitnest_mlx.formats import bitnest
 
@@ -40,13 +45,14 @@ def everything(w: np.ndarray, h: np.ndarray) -> list[np.ndarray]:
 def test_row_chunks_do_not_change_any_result(monkeypatch):
     w, h = problem(0)
     whole = everything(w, h)
-    # Chunks of 37 rows in the sweeps (state 2·K·4 bytes per row), 3 in the scale search.
+    # 12 to 37 rows per sweep chunk (by each sweep's state per row), 2 per chunk of error sums.
     monkeypatch.setattr(sweep_module, "CHUNK_BYTES", 37 * 2 * w.shape[1] * 4)
     chunked = everything(w, h)
     for a, b in zip(whole[:-1], chunked[:-1], strict=True):
         np.testing.assert_array_equal(a, b)
     # λ and the errors are sums over rows: equal up to their order of summation.
     np.testing.assert_allclose(whole[-1], chunked[-1], rtol=1e-6)
+    np.testing.assert_array_equal(search_scales(w, np.diag(h), 8.0, rows=7), whole[5])
 
 
 def reference_sweep(w: np.ndarray, f: Factor, s: np.ndarray) -> np.ndarray:

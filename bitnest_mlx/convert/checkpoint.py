@@ -16,6 +16,7 @@ shared by every layer), so the folded Linears get outlier input columns.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shutil
 import struct
@@ -83,9 +84,10 @@ BLOCK_BYTES = 64 * 2**20  # float32 generated per step
 
 
 def preset(like: str, tiny: bool = False) -> dict:
+    """A copy of the config.json of PRESETS[like], at TINY's dimensions if `tiny`."""
     if like not in PRESETS:
         raise ValueError(f"--like {like!r}: expected one of {sorted(PRESETS)}")
-    config = json.loads(json.dumps(PRESETS[like]))  # a deep copy
+    config = copy.deepcopy(PRESETS[like])
     return {**config, **TINY} if tiny else config
 
 
