@@ -41,11 +41,12 @@ def gptq_codes(
         k = w.shape[1]
         low, high = np.full((k, 1), -8, np.int8), np.full((k, 1), 7, np.int8)  # or [K, R]
         if w8_slack is not None:
-            q8 = w[rows].T / (np.repeat(s, group_size, axis=0) / 16)
-            low, high = (
-                np.floor((np.clip(f(q8 + d), -128, 119) + 8) / 16).astype(np.int8)
-                for f, d in ((np.ceil, -w8_slack), (np.floor, w8_slack))
-            )
+            low, high = np.empty((2, k, s.shape[1]), np.int8)
+            for g in range(k // group_size):  # a group at a time: float64 temporaries stay small
+                cols = slice(g * group_size, (g + 1) * group_size)
+                q8 = w[rows, cols].T / (s[g] / 16)
+                for bound, f, d in ((low, np.ceil, -w8_slack), (high, np.floor, w8_slack)):
+                    bound[cols] = np.floor((np.clip(f(q8 + d), -128, 119) + 8) / 16)
 
         def hi(values: np.ndarray, col: int) -> tuple:
             sc = s[col // group_size]
