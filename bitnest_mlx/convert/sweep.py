@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import mlx.core as mx
 import numpy as np
 
 # quantize(targets [P, R], column) -> (codes [C, R], dequantized [P, R]) (arrays; [R] for C, P = 1),
@@ -39,7 +40,18 @@ class Factor:
         h = h[self.order][:, self.order]
         self.damping = damp * np.mean(np.diag(h))  # added to the diagonal; see `sweep` errors
         h[np.diag_indices_from(h)] += self.damping
-        self.u = np.linalg.cholesky(np.linalg.inv(h)).T
+        self.u = inverse_upper_cholesky(h)
+
+
+def inverse_upper_cholesky(h: np.ndarray) -> np.ndarray:
+    """U upper triangular with UᵀU = h⁻¹ (h SPD, float64), without forming h⁻¹: with P the
+    reversal, P h P = L Lᵀ gives h⁻¹ = (P L⁻ᵀ P)(P L⁻¹ P), so U = P L⁻¹ P. One Cholesky and one
+    triangular inverse (n³/3 each) in MLX's LAPACK, which is the system's (OpenBLAS, Accelerate)
+    where numpy's bundled one took 4x longer on a 4096² Hessian here (14.6 s, 3.6 s)."""
+    p = np.arange(len(h))[::-1]
+    lower = mx.linalg.cholesky(mx.array(h[p][:, p], dtype=mx.float64), stream=mx.cpu)
+    inv = mx.linalg.tri_inv(lower, upper=False, stream=mx.cpu)
+    return np.array(inv, dtype=np.float64)[p][:, p]
 
 
 def row_chunks(n: int, bytes_per_row: int, limit: int | None = None) -> list[slice]:
