@@ -14,8 +14,9 @@ transformers = pytest.importorskip("transformers")
 from factory import VOCAB, config_dict, state, tiny_hf  # noqa: E402
 
 from bitnest_mlx.convert import fold_norms  # noqa: E402
-from bitnest_mlx.convert.gptq import gptq_codes, hessian  # noqa: E402
+from bitnest_mlx.convert.gptq import gptq_codes  # noqa: E402
 from bitnest_mlx.convert.rotation import rotate  # noqa: E402
+from bitnest_mlx.convert.sweep import hessian  # noqa: E402
 from bitnest_mlx.formats import bitnest  # noqa: E402
 
 

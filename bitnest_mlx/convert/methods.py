@@ -66,12 +66,16 @@ class Method:
             return factors[key]
 
         if self.name == "joint" and self.lambda_draft is None:
-            planes, lam, errors = budgeted_joint_planes(w, factor(), self.w8_budget, self.damp)
+            planes, lam, errors = budgeted_joint_planes(
+                w, factor(), self.w8_budget, self.damp, group_size=group_size
+            )
             return planes, {**errors, "lambda_draft": lam}
         if self.name == "joint":
-            codes, residual, scales = joint_codes(w, factor(), self.lambda_draft, self.damp)
+            codes, residual, scales = joint_codes(
+                w, factor(), self.lambda_draft, self.damp, group_size=group_size
+            )
         else:
-            codes, scales = gptq_codes(w, factor(), self.damp, self.w8_slack)
+            codes, scales = gptq_codes(w, factor(), self.damp, self.w8_slack, group_size=group_size)
             residual = None
             if self.lo_method == "gptq":
                 residual = gptq_residual_codes(w, codes, scales, factor(True), self.damp)
