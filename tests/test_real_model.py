@@ -82,9 +82,10 @@ def test_smollm2_gguf_loads_as_a_llama_source(tmp_path):
 
 
 @needs_smollm2
-def test_smollm2_converts_from_its_gguf_at_group_64_and_its_target_tracks_float(tmp_path):
-    """Hidden 576 is no multiple of 128: the converter picks group 64. The calibration here is
-    small (a test); examples/real_model.py --model smollm2 scores the default conversion."""
+def test_smollm2_converts_from_its_gguf_at_group_64_and_its_w8_target_tracks_float(tmp_path):
+    """Hidden 576 is no multiple of 128: the converter picks group 64. Rounding to nearest here
+    (a test, minutes faster); examples/real_model.py --model smollm2 scores the default
+    conversion (examples/real_model.md)."""
     pytest.importorskip("gguf")
     import json
 
@@ -93,7 +94,7 @@ def test_smollm2_converts_from_its_gguf_at_group_64_and_its_target_tracks_float(
     from bitnest_mlx.evaluation import evaluate
 
     out = tmp_path / "pkg"
-    convert(out=out, gguf=SMOLLM2, calib_tokens=2048, calib_seq_len=256, scratch=tmp_path)
+    convert(out=out, gguf=SMOLLM2, method="rtn", scratch=tmp_path)
     manifest = json.loads((out / "bitnest.json").read_text())
     assert manifest["group_size"] == 64
     assert "/" not in manifest["source_model"]  # the GGUF's general.name, not a local path
@@ -103,4 +104,4 @@ def test_smollm2_converts_from_its_gguf_at_group_64_and_its_target_tracks_float(
         model, tok, text, ("float", "target", "draft"), 512, 256, spec_tokens=0, gen_tokens=0
     )
     ppl = {m: res["modes"][m]["ppl"] for m in ("float", "target", "draft")}
-    assert ppl["target"] < 1.05 * ppl["float"] and ppl["draft"] < 3 * ppl["float"], ppl
+    assert ppl["target"] < 1.02 * ppl["float"] and ppl["draft"] < 5 * ppl["float"], ppl
