@@ -126,13 +126,10 @@ class Calibration:
         """What the runtime's `sanitize` loads beside the planes: R4's hadK, norm weights."""
         if self.had_k is not None:
             block.mlp.r4.had_k = mx.array(self.had_k.astype(np.float32))
-        p = f"model.layers.{layer}."
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            if getattr(block, norm) is not None:
-                d = self.norms.get(f"{p}{norm}.weight")
-                setattr(
-                    block, norm, mx.ones_like(getattr(block, norm)) if d is None else mx.array(d)
-                )
+            d = self.norms.get(f"model.layers.{layer}.{norm}.weight")
+            if d is not None:  # else the block's own: ones when smoothed, None when weightless
+                setattr(block, norm, mx.array(d))
 
     def _run(self, block: nn.Module, options: RunOptions, update: bool) -> None:
         for rows in self._chunks():

@@ -229,11 +229,9 @@ class PackageWriter:
 
     @classmethod
     def spec_for(cls, config: dict, **kwargs) -> PackageSpec:
-        """The spec of the package these arguments would write, without writing one."""
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as tmp:
-            return cls(tmp, config, **kwargs).spec
+        """The spec of the package these arguments would write, without writing one (a writer
+        touches its folder only at its first shard)."""
+        return cls(Path(), config, **kwargs).spec
 
     def add(self, name: str, array: mx.array | np.ndarray) -> None:
         if name in self._written or name in self._pending:
