@@ -1,4 +1,4 @@
-"""Metal kernels (bitnest_mlx/kernels.py + metal_kernels/*.metal) against the pure-MLX path.
+"""Metal kernels (bitnest_mlx/kernels/ + metal_kernels/*.metal) against the pure-MLX path.
 
 Everywhere: each kernel runs in the CPU emulator (tests/metal_emu), on random shapes with ragged
 edges, and a planted bug in each kernel must make its test fail; the generated Metal source of
@@ -309,9 +309,9 @@ def test_model_decode_routes_through_kernels_and_matches_pure_path(tmp_path, mon
         return mx.concatenate(out, axis=1)
 
     want = {d: logits(d) for d in (True, False)}
-    monkeypatch.setattr(kernels, "_metal", lambda: True)
-    monkeypatch.setattr(kernels, "metal_runner", emulator.run)
-    monkeypatch.setattr(kernels, "_state", kernels._State())
+    monkeypatch.setattr(kernels.dispatch, "_metal", lambda: True)
+    monkeypatch.setattr(kernels.launch, "metal_runner", emulator.run)
+    monkeypatch.setattr(kernels.dispatch, "_state", kernels.dispatch._State())
     got = {d: logits(d) for d in (True, False)}
     report = kernels.report()
     assert report["dual_plane"]["status"] == "ok" and report["dual_plane"]["kernel"] > 0
@@ -337,10 +337,10 @@ def test_per_head_a8_of_64_is_fused_into_the_kernel_at_a_32_column_weight_group(
     lin.biases = -8 * lin.scales
     x = mx.random.normal((1, 2, 192), key=keys[0]) * 3
     want = lin(x, RunOptions("draft", use_kernels=False), a8_group=64)
-    monkeypatch.setattr(kernels, "_metal", lambda: True)
-    monkeypatch.setattr(kernels, "metal_runner", emulator.run)
+    monkeypatch.setattr(kernels.dispatch, "_metal", lambda: True)
+    monkeypatch.setattr(kernels.launch, "metal_runner", emulator.run)
     monkeypatch.setattr(kernels, "use", lambda name, self_test: True)
-    monkeypatch.setattr(kernels, "_state", kernels._State())
+    monkeypatch.setattr(kernels.dispatch, "_state", kernels.dispatch._State())
     with mock.patch.object(dual_plane, "a8", wraps=dual_plane.a8) as a8_spy:
         got = lin(x, RunOptions("draft"), a8_group=64)
     a8_spy.assert_not_called()
@@ -350,13 +350,13 @@ def test_per_head_a8_of_64_is_fused_into_the_kernel_at_a_32_column_weight_group(
 
 @needs_cxx
 def test_failed_self_test_warns_once_and_falls_back(monkeypatch):
-    monkeypatch.setattr(kernels, "_metal", lambda: True)
-    monkeypatch.setattr(kernels, "_state", kernels._State())
+    monkeypatch.setattr(kernels.dispatch, "_metal", lambda: True)
+    monkeypatch.setattr(kernels.dispatch, "_state", kernels.dispatch._State())
 
     def broken(launch, verbose=False):
         return emulator.run(launch, mutate=lambda s: s.replace("? -t : t", "? t : t"))
 
-    monkeypatch.setattr(kernels, "metal_runner", broken)
+    monkeypatch.setattr(kernels.launch, "metal_runner", broken)
     with pytest.warns(RuntimeWarning, match="hadamard"):
         assert kernels.use("hadamard", SELF_TESTS["hadamard"]) is False
     # Decided once: no second warning, no rerun.

@@ -1,0 +1,57 @@
+"""Metal kernels for the decode hot paths, with the pure-MLX path as reference and fallback.
+
+One module per kernel family plans its launches (`Launch`: inputs, template, grid, output
+shapes) and hands them to a runner (`launch.py`); `dispatch.py` decides, per layer kind, whether
+the kernel or the pure path serves a call.
+"""
+
+from .dispatch import SelfTest, check, record, report, use
+from .dual_plane import (
+    DUAL_PLANE,
+    LANE_COLS,
+    MAX_M,
+    a8_fusable,
+    dual_plane_matmul,
+    dual_plane_supported,
+)
+from .launch import KernelSpec, Launch, Runner, metal_runner, run
+from .mxtq import (
+    HADAMARD,
+    MXTQ_GATHER,
+    hadamard_rotate,
+    hadamard_supported,
+    mxtq_gather_matvec,
+    mxtq_gather_supported,
+)
+from .nested_kv import NESTED_KV, nested_kv_attention, nested_kv_supported
+
+SPECS = (DUAL_PLANE, NESTED_KV, MXTQ_GATHER, HADAMARD)
+
+__all__ = [
+    "DUAL_PLANE",
+    "HADAMARD",
+    "LANE_COLS",
+    "MAX_M",
+    "MXTQ_GATHER",
+    "NESTED_KV",
+    "SPECS",
+    "KernelSpec",
+    "Launch",
+    "Runner",
+    "SelfTest",
+    "a8_fusable",
+    "check",
+    "dual_plane_matmul",
+    "dual_plane_supported",
+    "hadamard_rotate",
+    "hadamard_supported",
+    "metal_runner",
+    "mxtq_gather_matvec",
+    "mxtq_gather_supported",
+    "nested_kv_attention",
+    "nested_kv_supported",
+    "record",
+    "report",
+    "run",
+    "use",
+]
