@@ -39,6 +39,7 @@ setup(
         "bitnest_mlx.convert",
         "bitnest_mlx.formats",
         "bitnest_mlx.formats.bitnest",
+        "bitnest_mlx.kernels",
         "bitnest_mlx.layers",
         "bitnest_mlx.models",
         "bitnest_mlx.metal_kernels",
