@@ -40,6 +40,7 @@ setup(
         "bitnest_mlx.formats",
         "bitnest_mlx.formats.bitnest",
         "bitnest_mlx.kernels",
+        "bitnest_mlx.kernels.emulator",
         "bitnest_mlx.layers",
         "bitnest_mlx.models",
         "bitnest_mlx.metal_kernels",
@@ -53,6 +54,7 @@ setup(
     },
     package_data={
         "bitnest_mlx.metal_kernels": ["*.metal"],
+        "bitnest_mlx.kernels.emulator": ["*.h"],  # the CPU emulator's C++ runtime
         "bitnest_mlx": ["demo_model/*"],  # the trained demo package (examples/train_demo.py)
     },
     install_requires=[

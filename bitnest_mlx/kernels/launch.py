@@ -2,8 +2,8 @@
 
 Each kernel's body lives in `bitnest_mlx/metal_kernels/<file>.metal` (helpers in `common.metal`)
 and is built into an `mx.fast.metal_kernel` once per process. On Metal the runner is the real
-kernel; the test suite passes the CPU emulator (tests/metal_emu), which compiles the exact source
-MLX generates.
+kernel; the test suite passes the CPU emulator (`kernels.emulator`), which compiles the exact
+source MLX generates.
 """
 
 from __future__ import annotations
