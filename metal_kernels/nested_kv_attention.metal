@@ -1,13 +1,26 @@
-// Decode attention read straight from the nested KV planes (KV4: hi; KV8: hi + lo/16).
-// One threadgroup per (batch, kv head, chunk of QN query rows): the QN rows are the GQA heads
-// sharing that kv head times the L new tokens, so every key and value nibble is read once for all
-// of them. NSG simdgroups split the keys (t ≡ simdgroup mod NSG); inside a simdgroup lane l holds
-// E = D/32 consecutive dims. Per key: partial dots, one simd_sum per query row, online softmax in
-// float32; at the end the NSG partial softmaxes are merged through threadgroup memory.
+// Pass 1 of the nested-KV attention read (KV4: hi; KV8: hi + lo/16), flash-decoding style.
+// One threadgroup per (key split, batch · kv head · chunk of QN query rows). The QN rows are the
+// GQA heads sharing the kv head times the L new tokens, so each key and value nibble is read once
+// for all of them; the splits put enough threadgroups on the GPU at long context (one kv head
+// alone would leave most cores idle). A split's keys go to the NSG simdgroups in blocks of 32.
+//   QK: lane l owns key t0 + l and computes its whole dot product against q (staged once in
+//       threadgroup memory, read as broadcasts), so no simd_sum per key. Scores need one
+//       simd_max per row and block for the online softmax.
+//   PV: lane l owns E = D/32 dims; the 32 probabilities of the block are shared through
+//       threadgroup memory and each value row is read coalesced.
+// The NSG simdgroup states are merged through threadgroup memory (one barrier), and the split's
+// (max, sum, unnormalized output) is written for the merge pass (nested_kv_merge.metal).
 // Causal: query i of L sits at position n_kv - L + i and sees keys 0 ..= that position.
 constexpr int E = D / 32;
+constexpr int W = D / 8;   // words per key row
+constexpr int GW = G / 8;  // words per scale group
+constexpr int NG = D / G;  // scale groups per key row
+// The target's code is 16 u_hi + u_lo - 136 in units of s/16: one conversion per element and
+// the 1/16 folded into the per-key scale (exact: a power of two).
+constexpr float CSTEP = TARGET ? 0.0625f : 1.0f;
 const int lane = int(thread_index_in_simdgroup);
 const int sg = int(simdgroup_index_in_threadgroup);
+const int split = int(threadgroup_position_in_grid.x);
 const int rep = n_q_heads / n_kv_heads;
 const int rows = rep * L;  // query rows per kv head
 const int chunks = (rows + QN - 1) / QN;
@@ -16,12 +29,7 @@ const int bk = tg / chunks;  // b * n_kv_heads + kv head
 const int j0 = (tg % chunks) * QN;
 const int b = bk / n_kv_heads;
 const int kvh = bk % n_kv_heads;
-const int d0 = lane * E;  // this lane's dims; they share one word and one scale group
-const int word = d0 / 8;
-const int shift = (d0 % 8) * 4;
-const int g = d0 / G;
 
-float qv[QN][E];
 int qrow[QN];
 int last[QN];
 int last_any = -1;
@@ -32,12 +40,23 @@ for (int j = 0; j < QN; j++) {
   qrow[j] = (b * n_q_heads + head) * L + i;
   last[j] = n_kv - L + i;
   last_any = metal::max(last_any, last[j]);
-  for (int e = 0; e < E; e++)
-    qv[j][e] = float(q[qrow[j] * D + d0 + e]) * scale;
 }
 
+threadgroup float tq[QN][D];
+for (int x = sg * 32 + lane; x < QN * D; x += NSG * 32)
+  tq[x / D][x % D] = float(q[qrow[x / D] * D + x % D]) * scale;
+metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+
+const int t_begin = split * split_len;
+const int t_end = metal::min(t_begin + split_len, last_any + 1);
+const int kv_base = bk * t_cap;
+const int d0 = lane * E;  // PV: this lane's dims share one word and one scale group
+const int word = d0 / 8;
+const int shift = (d0 % 8) * 4;
+const int g = d0 / G;
+
 float mrun[QN];
-float den[QN];
+float den[QN];  // this lane's share of the softmax sum; one simd_sum at the end
 float acc[QN][E];
 for (int j = 0; j < QN; j++) {
   mrun[j] = -INFINITY;
@@ -46,64 +65,82 @@ for (int j = 0; j < QN; j++) {
     acc[j][e] = 0.0f;
 }
 
-const int kv_base = bk * t_cap;
-for (int t = sg; t <= last_any; t += NSG) {
-  const int kv_row = kv_base + t;
-  float kd[E];
-  float vd[E];
-  {
-    const uint kh = k_hi[kv_row * (D / 8) + word] >> shift;
-    const uint vh = v_hi[kv_row * (D / 8) + word] >> shift;
-    const float ksc = k_scales[kv_row * (D / G) + g];
-    const float vsc = v_scales[kv_row * (D / G) + g];
-    uint kl = 0;
-    uint vl = 0;
-    if (TARGET) {
-      kl = k_lo[kv_row * (D / 8) + word] >> shift;
-      vl = v_lo[kv_row * (D / 8) + word] >> shift;
-    }
-    for (int e = 0; e < E; e++) {
-      float kc = float(bn_nibble(kh, e) - 8);
-      float vc = float(bn_nibble(vh, e) - 8);
-      if (TARGET) {
-        kc += float(bn_nibble(kl, e) - 8) * 0.0625f;
-        vc += float(bn_nibble(vl, e) - 8) * 0.0625f;
+threadgroup float tp[NSG][QN][32];
+for (int t0 = t_begin + sg * 32; t0 < t_end; t0 += NSG * 32) {
+  const int t = t0 + lane;
+  const int key = kv_base + metal::min(t, t_end - 1);  // lanes past the end read a real key
+  float s[QN];
+  for (int j = 0; j < QN; j++)
+    s[j] = 0.0f;
+  for (int gi = 0; gi < NG; gi++) {
+    float part[QN];
+    for (int j = 0; j < QN; j++)
+      part[j] = 0.0f;
+    for (int w = gi * GW; w < (gi + 1) * GW; w++) {
+      const uint kh = k_hi[key * W + w];
+      const uint kl = TARGET ? k_lo[key * W + w] : 0u;
+      for (int i = 0; i < 8; i++) {
+        const float c = TARGET ? float(int(16u * ((kh >> (4 * i)) & 0xfu) + ((kl >> (4 * i)) & 0xfu)) - 136)
+                               : float(bn_nibble(kh, i) - 8);
+        for (int j = 0; j < QN; j++)
+          part[j] += tq[j][w * 8 + i] * c;
       }
-      kd[e] = kc * ksc;
-      vd[e] = vc * vsc;
     }
+    const float ks = k_scales[key * NG + gi] * CSTEP;
+    for (int j = 0; j < QN; j++)
+      s[j] += part[j] * ks;
   }
   for (int j = 0; j < QN; j++) {
-    float part = 0.0f;
-    for (int e = 0; e < E; e++)
-      part += qv[j][e] * kd[e];
-    const float score = metal::simd_sum(part);
-    if (t <= last[j]) {
-      const float mnew = metal::max(mrun[j], score);
+    const float sj = (t < t_end && t <= last[j]) ? s[j] : -INFINITY;
+    const float bmax = metal::simd_max(sj);
+    float p = 0.0f;
+    if (bmax > -INFINITY) {  // uniform across the simdgroup; else the row sees no key here
+      const float mnew = metal::max(mrun[j], bmax);
       const float corr = metal::exp(mrun[j] - mnew);
-      const float p = metal::exp(score - mnew);
+      p = metal::exp(sj - mnew);
       den[j] = den[j] * corr + p;
       for (int e = 0; e < E; e++)
-        acc[j][e] = acc[j][e] * corr + p * vd[e];
+        acc[j][e] *= corr;
       mrun[j] = mnew;
     }
+    tp[sg][j][lane] = p;
   }
+  metal::simdgroup_barrier(metal::mem_flags::mem_threadgroup);
+  const int nk = metal::min(32, t_end - t0);
+  for (int k = 0; k < nk; k++) {
+    const int vrow = kv_base + t0 + k;
+    const uint vh = v_hi[vrow * W + word] >> shift;
+    const uint vl = TARGET ? v_lo[vrow * W + word] >> shift : 0u;
+    const float vs = v_scales[vrow * NG + g] * CSTEP;
+    float vd[E];
+    for (int e = 0; e < E; e++)
+      vd[e] = TARGET ? float(int(16u * ((vh >> (4 * e)) & 0xfu) + ((vl >> (4 * e)) & 0xfu)) - 136)
+                     : float(bn_nibble(vh, e) - 8);
+    for (int j = 0; j < QN; j++) {
+      const float pv = tp[sg][j][k] * vs;
+      for (int e = 0; e < E; e++)
+        acc[j][e] += pv * vd[e];
+    }
+  }
+  metal::simdgroup_barrier(metal::mem_flags::mem_threadgroup);  // tp is rewritten next block
 }
 
 threadgroup float tg_m[NSG][QN];
 threadgroup float tg_den[NSG][QN];
 threadgroup float tg_acc[NSG][QN][D];
 for (int j = 0; j < QN; j++) {
+  const float total = metal::simd_sum(den[j]);
   if (lane == 0) {
     tg_m[sg][j] = mrun[j];
-    tg_den[sg][j] = den[j];
+    tg_den[sg][j] = total;
   }
   for (int e = 0; e < E; e++)
     tg_acc[sg][j][d0 + e] = acc[j][e];
 }
 metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
 
-// Simdgroup j % NSG finishes query row j; lanes keep their E dims.
+// Simdgroup j % NSG finishes query row j; lanes keep their E dims. A row that saw no key in
+// this split writes max -inf and sum 0, which the merge weighs 0.
 for (int j = sg; j < QN; j += NSG) {
   if (j0 + j >= rows)
     break;
@@ -120,6 +157,11 @@ for (int j = sg; j < QN; j += NSG) {
     for (int e = 0; e < E; e++)
       out[e] += tg_acc[s][j][d0 + e] * w;
   }
+  const int at = qrow[j] * n_splits + split;
   for (int e = 0; e < E; e++)
-    o[qrow[j] * D + d0 + e] = T(out[e] / total);
+    o_part[at * D + d0 + e] = out[e];
+  if (lane == 0) {
+    m_part[at] = mmax;
+    l_part[at] = total;
+  }
 }

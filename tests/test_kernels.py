@@ -76,7 +76,27 @@ def dual_plane_case(m, n, k, weight_group, draft, act, dtype, seed):
     return call, lin(x, pure, a8_group=-1 if group is None else group)
 
 
-def nested_kv_case(b, hq, hkv, L, d, n_kv, t_cap, group, draft, dtype=mx.float32, *, seed):
+def with_mutation(runner, mutate):
+    """`runner` with `mutate` applied to each launch whose source it changes; a call of several
+    launches (attention + merge) runs the others as they are. A mutation that changes none of
+    them leaves the result exact, so the planted-bug tests still notice a stale string."""
+    if mutate is None:
+        return runner
+
+    def run(launch):
+        try:
+            return runner(launch, mutate)
+        except ValueError as e:
+            if "did not change" not in str(e):
+                raise
+            return runner(launch)
+
+    return run
+
+
+def nested_kv_case(
+    b, hq, hkv, L, d, n_kv, t_cap, group, draft, dtype=mx.float32, splits=None, *, seed
+):
     keys = mx.random.split(mx.random.key(seed), 3)
     q = mx.random.normal((b, hq, L, d), key=keys[0]).astype(dtype)
     # Capacity-sized planes: positions past n_kv hold other data and must be ignored.
@@ -85,9 +105,9 @@ def nested_kv_case(b, hq, hkv, L, d, n_kv, t_cap, group, draft, dtype=mx.float32
     scale = d**-0.5
 
     def call(runner, mutate=None):
-        run = runner if mutate is None else (lambda launch: runner(launch, mutate))
+        run = with_mutation(runner, mutate)
         return kernels.nested_kv_attention(
-            q, kp, vp, draft=draft, scale=scale, group=group, n_kv=n_kv, runner=run
+            q, kp, vp, draft=draft, scale=scale, group=group, n_kv=n_kv, splits=splits, runner=run
         )
 
     k, v = (nest_dequantize(*(a[:, :, :n_kv] for a in p), group, draft) for p in (kp, vp))
@@ -141,13 +161,20 @@ DUAL_PLANE = {
     "m2_draft_a8_head64_g32_k192": (2, 7, 192, 32, True, 64, mx.float32),
     "m3_target_a8_group_g32_fp16": (3, 9, 640, 32, False, 128, mx.float16),
 }
-# B, Hq, Hkv, L, D, n_kv, t_cap, group, draft
+# B, Hq, Hkv, L, D, n_kv, t_cap, group, draft[, dtype, key splits (None: the launch's choice)]
+F32 = mx.float32
 NESTED_KV = {
     "decode_kv4_gqa2_d128": (1, 4, 2, 1, 128, 37, 40, 128, True),
     "verify4_kv8_gqa3_d64": (2, 6, 2, 4, 64, 19, 25, 64, False),
     "prefill_all_keys_kv8": (1, 2, 1, 8, 128, 8, 8, 128, False),
     "rows_over_chunk_kv8_g32": (1, 12, 1, 1, 64, 11, 16, 32, False),
     "decode_kv8_fp16_d256": (1, 2, 1, 1, 256, 9, 12, 128, False, mx.float16),
+    # 3 splits of 96 keys, the last one ragged (8 keys); KV4 at group 32.
+    "decode_kv4_d128_g32_3_splits": (1, 6, 2, 1, 128, 200, 256, 32, True, F32, 3),
+    # 5 splits of 32: the last holds only key 128, which 3 of the 4 causal rows cannot see.
+    "verify4_kv8_d128_g64_5_splits": (1, 4, 1, 4, 128, 129, 160, 64, False, F32, 5),
+    # The launch's own choice at one kv head: 3 splits (128, 128, 44 keys).
+    "decode_kv8_d64_g32_chosen_splits": (1, 2, 1, 1, 64, 300, 320, 32, False),
 }
 # bits, in, out, experts, tokens, K, shared x (gate/up) vs one x per slot (down)
 MXTQ = {
@@ -194,7 +221,7 @@ MUTATIONS = {
     # bn_nibble reads one bit too high: the nibble shift is off by one.
     "dual_plane": ("m3_target_a8_token", "(word >> (4 * i))", "(word >> (4 * i + 1))"),
     # The causal test lets the newest query miss its own key.
-    "nested_kv": ("verify4_kv8_gqa3_d64", "if (t <= last[j])", "if (t < last[j])"),
+    "nested_kv": ("verify4_kv8_gqa3_d64", "t < t_end && t <= last[j]", "t < t_end && t < last[j]"),
     # Codes read at the neighbouring field.
     "mxtq_gather": ("4bit_per_slot", "(code >> (i * BITS))", "(code >> ((i + 1) * BITS))"),
     # The cross-simdgroup stage forgets the minus signs of H_4.
@@ -209,6 +236,35 @@ def test_emulator_test_fails_on_a_planted_kernel_bug(kind):
     call, want, rel = build(kind, name)
     got = call(emulator.run, mutate=lambda src: src.replace(old, new))
     assert not close(got, want, rel)
+
+
+@needs_cxx
+def test_emulator_test_fails_when_the_split_merge_forgets_a_splits_weight():
+    call, want, rel = build("nested_kv", "verify4_kv8_d128_g64_5_splits")
+    got = call(emulator.run, mutate=lambda src: src.replace("l_part[at] * w;", "l_part[at];"))
+    assert not close(got, want, rel)
+
+
+@pytest.mark.parametrize("L", [1, 4])
+def test_llama_3b_decode_at_4k_context_spreads_keys_over_at_least_64_threadgroups(L):
+    """24 query heads on 8 kv heads, head_dim 128: without key splits only 8 (L = 1) or 16
+    (L = 4) threadgroups would run; the split launch covers every key exactly once."""
+    launches = []
+
+    def record(launch):
+        launches.append(launch)
+        return [mx.zeros(s, dtype=t) for s, t in zip(launch.output_shapes, launch.output_dtypes)]
+
+    planes = (mx.zeros((1, 8, 4096, 16), mx.uint32),) * 2 + (mx.ones((1, 8, 4096, 4)),)
+    q = mx.zeros((1, 24, L, 128))
+    kernels.nested_kv_attention(
+        q, planes, planes, draft=True, scale=1.0, group=32, n_kv=4096, runner=record
+    )
+    attention = launches[0]
+    groups = [g // t for g, t in zip(attention.grid, attention.threadgroup)]
+    assert groups[0] * groups[1] * groups[2] >= 64
+    split_len, splits = attention.inputs[-2:]
+    assert splits == groups[0] and (splits - 1) * split_len < 4096 <= splits * split_len
 
 
 @needs_cxx
@@ -402,8 +458,9 @@ def test_syntax_check_passes_every_generated_kernel(generated_sources, msl_check
 @pytest.mark.parametrize("spec", kernels.SPECS, ids=lambda s: s.name)
 def test_syntax_check_catches_a_planted_typo(generated_sources, msl_checker, spec):
     src = next(s for s in generated_sources.values() if f"custom_kernel_{spec.name}_" in s)
-    # A misspelt builtin, its semicolon dropped, in the kernel's first simd_sum or barrier call.
-    call = "metal::simd_sum(" if "metal::simd_sum(" in src else "metal::threadgroup_barrier("
+    # A misspelt builtin, its semicolon dropped, in the kernel's first simd_sum, barrier or exp.
+    builtins = ("metal::simd_sum(", "metal::threadgroup_barrier(", "metal::exp(")
+    call = next(b for b in builtins if b in src)
     start = src.index(call)
     end = src.index(";", start)
     typo = src[:start] + src[start:end].replace(call, call[:-1] + "m(") + src[end + 1 :]
@@ -444,7 +501,5 @@ def test_every_layer_self_test_passes_in_emulator_and_catches_its_planted_bug(na
     assert kernels.check(SELF_TESTS[name], emulator.run) == "ok"
     _, old, new = MUTATIONS[name]
 
-    def broken(launch):
-        return emulator.run(launch, mutate=lambda src: src.replace(old, new))
-
+    broken = with_mutation(emulator.run, lambda src: src.replace(old, new))
     assert kernels.check(SELF_TESTS[name], broken) != "ok"

@@ -23,9 +23,16 @@ from .mxtq import (
     mxtq_gather_matvec,
     mxtq_gather_supported,
 )
-from .nested_kv import NESTED_KV, nested_kv_attention, nested_kv_supported
+from .nested_kv import (
+    NESTED_KV,
+    NESTED_KV_MERGE,
+    KVGeometry,
+    kv_geometry,
+    nested_kv_attention,
+    nested_kv_supported,
+)
 
-SPECS = (DUAL_PLANE, NESTED_KV, MXTQ_GATHER, HADAMARD)
+SPECS = (DUAL_PLANE, NESTED_KV, NESTED_KV_MERGE, MXTQ_GATHER, HADAMARD)
 
 __all__ = [
     "DUAL_PLANE",
@@ -34,7 +41,9 @@ __all__ = [
     "MAX_M",
     "MXTQ_GATHER",
     "NESTED_KV",
+    "NESTED_KV_MERGE",
     "SPECS",
+    "KVGeometry",
     "KernelSpec",
     "Launch",
     "Runner",
@@ -45,6 +54,7 @@ __all__ = [
     "dual_plane_supported",
     "hadamard_rotate",
     "hadamard_supported",
+    "kv_geometry",
     "metal_runner",
     "mxtq_gather_matvec",
     "mxtq_gather_supported",

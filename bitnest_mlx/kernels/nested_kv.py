@@ -1,14 +1,28 @@
-"""The nested-KV (KV4 draft / KV8 target) attention read for decode and verification."""
+"""The nested-KV (KV4 draft / KV8 target) attention read for decode and verification.
+
+Two launches, flash-decoding style: pass 1 splits the keys over threadgroups (each writes its
+split's max, sum and unnormalized output per query row), pass 2 merges the splits exactly as a
+log-sum-exp. The split count is chosen so that a decode step fills the GPU at long context.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from .dual_plane import MAX_M
 from .launch import KernelSpec, Launch, Runner, run
 
-KV_NSG = 4  # simdgroups per threadgroup in the attention read
-KV_MAX_ROWS = 1024  # QN · D floats per simdgroup in threadgroup memory (16 KB for 4 simdgroups)
+KV_NSG = 4  # simdgroups per threadgroup in pass 1
+KV_MAX_ROWS = 1024  # QN · D floats of q staged in threadgroup memory (4 KB)
+# Pass 1 aims at this many threadgroups: about three per GPU core on a 40-core Max, so every
+# core has work while one waits on memory. Fewer when the keys run out (below).
+KV_TARGET_THREADGROUPS = 128
+# A split holds at least one 32-key block per simdgroup: shorter splits leave simdgroups idle
+# and make the merge's reads a larger share of the cache's.
+KV_MIN_SPLIT = 32 * KV_NSG
+MERGE_ROWS = 4  # query rows (simdgroups) per pass-2 threadgroup
 
 NESTED_KV = KernelSpec(
     "bitnest_nested_kv_attention",
@@ -27,9 +41,55 @@ NESTED_KV = KernelSpec(
         "n_kv",
         "t_cap",
         "scale",
+        "split_len",
+        "n_splits",
     ),
+    ("o_part", "m_part", "l_part"),
+)
+NESTED_KV_MERGE = KernelSpec(
+    "bitnest_nested_kv_merge",
+    "nested_kv_merge.metal",
+    ("o_part", "m_part", "l_part", "n_splits"),
     ("o",),
 )
+
+
+def _ceil(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """Pass 1's launch: query rows per threadgroup, row chunks per kv head, key splits."""
+
+    qn: int
+    chunks: int
+    splits: int
+    split_len: int
+    threadgroups: int
+
+
+def kv_geometry(
+    batch: int,
+    q_heads: int,
+    kv_heads: int,
+    L: int,
+    head_dim: int,
+    n_kv: int,
+    splits: int | None = None,
+) -> KVGeometry:
+    """The split of the keys for one call; `splits` forces a count (tests: 1, several, ragged).
+
+    Split lengths are whole 32-key blocks, so the last split is the ragged one."""
+    rows = (q_heads // kv_heads) * L
+    qn = min(rows, MAX_M, KV_MAX_ROWS // head_dim)
+    chunks = _ceil(rows, qn)
+    base = batch * kv_heads * chunks
+    if splits is None:
+        splits = max(1, min(_ceil(KV_TARGET_THREADGROUPS, base), _ceil(n_kv, KV_MIN_SPLIT)))
+    split_len = _ceil(_ceil(n_kv, splits), 32) * 32
+    splits = _ceil(n_kv, split_len)  # rounding to blocks may leave fewer splits, none empty
+    return KVGeometry(qn, chunks, splits, split_len, base * splits)
 
 
 def nested_kv_supported(q: mx.array, mask, head_dim: int, group: int) -> bool:
@@ -54,31 +114,48 @@ def nested_kv_attention(
     scale: float,
     group: int,
     n_kv: int | None = None,
+    splits: int | None = None,
     runner: Runner | None = None,
 ) -> mx.array:
     """softmax(q Kᵀ·scale + causal) V with K, V read as KV4/KV8 from (hi, lo, scales) planes.
 
     q [B, Hq, L, D]; planes [B, Hkv, T_cap, D/8] uint32 and scales [B, Hkv, T_cap, D/group]
     float32 with the first `n_kv` (default T_cap) positions valid; the L queries are the last
-    L positions. Returns [B, Hq, L, D] in q's dtype.
+    L positions. `splits` forces the number of key splits (default: `kv_geometry`'s choice).
+    Returns [B, Hq, L, D] in q's dtype.
     """
     B, Hq, L, D = q.shape
     k_hi, k_lo, k_s = k_planes
     v_hi, v_lo, v_s = v_planes
     Hkv, t_cap = k_hi.shape[1], k_hi.shape[2]
     n_kv = t_cap if n_kv is None else n_kv
-    rows = (Hq // Hkv) * L
-    qn = min(rows, MAX_M, KV_MAX_ROWS // D)
-    chunks = (rows + qn - 1) // qn
+    geo = kv_geometry(B, Hq, Hkv, L, D, n_kv, splits)
     dtype = q.dtype if q.dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float32
-    launch = Launch(
-        NESTED_KV,
-        [q.astype(dtype), k_hi, k_lo, k_s, v_hi, v_lo, v_s, Hq, Hkv, L, n_kv, t_cap, scale],
-        [("T", dtype), ("D", D), ("G", group), ("QN", qn), ("NSG", KV_NSG), ("TARGET", not draft)],
-        grid=(32, KV_NSG, B * Hkv * chunks),
-        threadgroup=(32, KV_NSG, 1),
-        output_shapes=[(B, Hq, L, D)],
-        output_dtypes=[dtype],
+    rows = B * Hq * L
+    scalars = [Hq, Hkv, L, n_kv, t_cap, scale, geo.split_len, geo.splits]
+    o_part, m_part, l_part = run(
+        Launch(
+            NESTED_KV,
+            [q.astype(dtype), k_hi, k_lo, k_s, v_hi, v_lo, v_s, *scalars],
+            [("T", dtype), ("D", D), ("G", group), ("QN", geo.qn), ("NSG", KV_NSG)]
+            + [("TARGET", not draft)],
+            grid=(32 * geo.splits, KV_NSG, B * Hkv * geo.chunks),
+            threadgroup=(32, KV_NSG, 1),
+            output_shapes=[(rows, geo.splits, D), (rows, geo.splits), (rows, geo.splits)],
+            output_dtypes=[mx.float32] * 3,
+        ),
+        runner,
     )
-    (o,) = run(launch, runner)
+    (o,) = run(
+        Launch(
+            NESTED_KV_MERGE,
+            [o_part, m_part, l_part, geo.splits],
+            [("T", dtype), ("D", D)],
+            grid=(32, rows, 1),
+            threadgroup=(32, min(MERGE_ROWS, rows), 1),
+            output_shapes=[(B, Hq, L, D)],
+            output_dtypes=[dtype],
+        ),
+        runner,
+    )
     return o

@@ -190,11 +190,23 @@ class NestedKVCache(_BaseCache):
 
 
 def kernel_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx.array]:
-    """(kernel, pure) attention of one query over 5 KV8 positions, GQA 2."""
+    """(kernel, pure) attention as decode and verification really call it: head_dim 128, GQA 2,
+    KV group 32, 300 cached keys; the draft (KV4) at L = 1 with the launch's own split count,
+    the target (KV8) at L = 4 over 4 splits, the last one ragged."""
     k1, k2, k3 = mx.random.split(mx.random.key(2), 3)
-    q = mx.random.normal((1, 4, 1, 64), key=k1)
-    kp = nest_quantize(mx.random.normal((1, 2, 5, 64), key=k2), 64)
-    vp = nest_quantize(mx.random.normal((1, 2, 5, 64), key=k3), 64)
-    got = kernels.nested_kv_attention(q, kp, vp, draft=False, scale=0.125, group=64, runner=runner)
-    k, v = nest_dequantize(*kp, 64, False), nest_dequantize(*vp, 64, False)
-    return got, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125)
+    n_kv, group, scale = 300, 32, 128**-0.5
+    q = mx.random.normal((1, 4, 4, 128), key=k1)
+    kp = nest_quantize(mx.random.normal((1, 2, n_kv, 128), key=k2) * 2, group)
+    vp = nest_quantize(mx.random.normal((1, 2, n_kv, 128), key=k3), group)
+    got, want = [], []
+    for draft, L, splits in ((True, 1, None), (False, 4, 4)):
+        qi = q[:, :, -L:]
+        got.append(
+            kernels.nested_kv_attention(
+                qi, kp, vp, draft=draft, scale=scale, group=group, splits=splits, runner=runner
+            )
+        )
+        k, v = (mx.repeat(nest_dequantize(*p, group, draft), 2, axis=1) for p in (kp, vp))
+        mask = "causal" if L > 1 else None
+        want.append(mx.fast.scaled_dot_product_attention(qi, k, v, scale=scale, mask=mask))
+    return mx.concatenate(got, axis=2), mx.concatenate(want, axis=2)
