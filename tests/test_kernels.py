@@ -239,6 +239,20 @@ def test_emulator_test_fails_on_a_planted_kernel_bug(kind):
 
 
 @needs_cxx
+@pytest.mark.parametrize(
+    "L,d,group,draft",
+    [(1, 64, 32, True), (4, 64, 64, False), (4, 128, 128, True), (1, 128, 32, False)],
+)
+def test_nested_kv_matches_pure_path_at_every_split_count(L, d, group, draft):
+    """One compiled variant per shape; the split count is a run-time input. 161 keys: each
+    count leaves a ragged last split (6 splits: five of 32 keys and one of 1)."""
+    for splits in (1, 2, 3, 6):
+        call, want = nested_kv_case(1, 6, 2, L, d, 161, 170, group, draft, F32, splits, seed=splits)
+        got = call(emulator.run)
+        assert close(got, want), (splits, float(mx.abs(got - want).max()))
+
+
+@needs_cxx
 def test_emulator_test_fails_when_the_split_merge_forgets_a_splits_weight():
     call, want, rel = build("nested_kv", "verify4_kv8_d128_g64_5_splits")
     got = call(emulator.run, mutate=lambda src: src.replace("l_part[at] * w;", "l_part[at];"))
