@@ -150,10 +150,12 @@ extern "C" int emu_launch(void** bufs, const unsigned* grid, const unsigned* tg,
 """
 
 
-def translation_unit(source: str) -> str:
+def translation_unit(source: str, text: str | None = None) -> str:
+    """The C++ file for `source`: its `text` (the source itself unless a build edits it) and a
+    launcher for its kernel."""
     return (
         '#include "metal_emu.h"\n#include "metal_emu_begin.h"\n'
-        + source
+        + (source if text is None else text)
         + "\n"
         + launcher(source)
         + '#include "metal_emu_end.h"\n'
@@ -161,7 +163,8 @@ def translation_unit(source: str) -> str:
 
 
 @cache
-def _build_dir() -> Path:
+def build_dir() -> Path:
+    """Where compiled libraries are cached for this process (one per distinct text)."""
     return Path(tempfile.mkdtemp(prefix="bitnest-metal-emu-"))
 
 
@@ -169,7 +172,7 @@ def compile_source(source: str) -> ctypes.CDLL:
     """g++-compile the generated source with its launcher; one library per distinct text."""
     tu = translation_unit(source)
     digest = hashlib.sha256((CXX + tu).encode()).hexdigest()[:16]
-    lib = _build_dir() / f"k{digest}.so"
+    lib = build_dir() / f"k{digest}.so"
     if not lib.exists():
         src = lib.with_suffix(".cpp")
         src.write_text(tu)
@@ -179,11 +182,11 @@ def compile_source(source: str) -> ctypes.CDLL:
         if r.returncode:
             raise RuntimeError(f"emulator compile failed:\n{r.stderr[-4000:]}")
         os.replace(str(lib) + ".tmp", lib)
-    return _load(str(lib))
+    return load(str(lib))
 
 
 @cache
-def _load(path: str) -> ctypes.CDLL:
+def load(path: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
     lib.emu_launch.argtypes = [
         ctypes.POINTER(ctypes.c_void_p),
@@ -198,15 +201,25 @@ class EmulatorError(RuntimeError):
     pass
 
 
-def run(launch: Launch, mutate: Callable[[str], str] | None = None) -> list[mx.array]:
-    """Execute `launch` in the emulator; `mutate` edits the generated source first (for tests)."""
+def generated(launch: Launch, mutate: Callable[[str], str] | None = None) -> str:
+    """The launch's generated source, edited by `mutate` first when given (for tests)."""
     source = capture(launch)
     if mutate is not None:
         mutated = mutate(source)
         if mutated == source:
             raise ValueError("mutation did not change the kernel source")
         source = mutated
-    lib = compile_source(source)
+    return source
+
+
+def run(launch: Launch, mutate: Callable[[str], str] | None = None) -> list[mx.array]:
+    """Execute `launch` in the emulator; `mutate` edits the generated source first (for tests)."""
+    source = generated(launch, mutate)
+    return execute(launch, source, compile_source(source))
+
+
+def execute(launch: Launch, source: str, lib: ctypes.CDLL) -> list[mx.array]:
+    """Run `lib` (built from `source`, any build) over the launch's buffers; its outputs."""
     _, params = parse_signature(source)
     named = dict(zip(launch.spec.input_names, launch.inputs))
     outputs = {}

@@ -25,8 +25,19 @@
 #include <functional>
 #include <vector>
 
+// The simd and barrier builtins stay calls in every build: a counting build (EMU_COUNT, see
+// counting.py) counts the calls and must not count the scheduler's own work inside them.
+#define EMU_RUNTIME __attribute__((noinline))
+
+#if defined(EMU_COUNT) && !defined(__FLT16_MAX__)
+// Counting builds use clang, which has no x86 _Float16 before clang 15: __fp16 is the same IEEE
+// binary16 storage, converted by the two helpers below (the only code they need at run time).
+typedef __fp16 half;
+typedef __fp16 float16_t;
+#else
 typedef _Float16 half;
 typedef _Float16 float16_t;
+#endif
 typedef unsigned int uint;
 typedef unsigned short ushort;
 typedef unsigned char uchar;
@@ -54,6 +65,52 @@ struct uint3 {
 struct uint2 {
   uint x, y;
 };
+
+#if defined(EMU_COUNT)
+// Executions of each instrumented basic block (counting.py inserts the calls into the IR).
+inline std::vector<uint64_t> g_block_counts;
+extern "C" EMU_RUNTIME void emu_count_block(int id) {
+  if (size_t(id) >= g_block_counts.size()) g_block_counts.resize(size_t(id) + 1);
+  g_block_counts[size_t(id)]++;
+}
+extern "C" int emu_read_counts(uint64_t* out, int n) {
+  int have = int(g_block_counts.size());
+  for (int i = 0; i < n; i++) out[i] = i < have ? g_block_counts[size_t(i)] : 0;
+  g_block_counts.assign(g_block_counts.size(), 0);
+  return have;
+}
+#if !defined(__FLT16_MAX__)
+extern "C" float __gnu_h2f_ieee(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  float v;
+  if (e == 0) v = std::ldexp(float(m), -24);
+  else if (e == 31) v = m ? NAN : INFINITY;
+  else v = std::ldexp(float(m | 0x400u), int(e) - 25);
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  u |= sign;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+extern "C" uint16_t __gnu_f2h_ieee(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  const float a = std::fabs(f);
+  if (std::isnan(a)) return sign | 0x7e00u;
+  if (a >= 65520.0f) return sign | 0x7c00u;  // rounds past the largest half: infinity
+  if (a < 6.103515625e-05f) {  // subnormal half: multiples of 2^-24, ties to even by rint
+    return sign | uint16_t(std::nearbyint(a * 16777216.0f));
+  }
+  int e;
+  const float m = std::frexp(a, &e);  // a = m 2^e, m in [0.5, 1)
+  const float q = std::nearbyint(std::ldexp(m, 11));  // 11 significant bits
+  uint32_t mant = uint32_t(q), exp = uint32_t(e + 14);
+  if (mant == 2048u) mant = 1024u, exp++;
+  return sign | uint16_t(exp << 10 | (mant & 0x3ffu));
+}
+#endif
+#endif
 
 namespace emu {
 
@@ -236,13 +293,13 @@ namespace metal {
 
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 
-inline void threadgroup_barrier_at(int line, mem_flags) { emu::wait(emu::g_sched->tg_bar, line); }
-inline void simdgroup_barrier_at(int line, mem_flags) {
+EMU_RUNTIME inline void threadgroup_barrier_at(int line, mem_flags) { emu::wait(emu::g_sched->tg_bar, line); }
+EMU_RUNTIME inline void simdgroup_barrier_at(int line, mem_flags) {
   emu::exchange<int>(0, line, [](uint, auto&&) { return 0; });
 }
 
 template <class T>
-T simd_sum_at(int line, T v) {
+EMU_RUNTIME T simd_sum_at(int line, T v) {
   return emu::exchange<T>(v, line, [](uint, auto&& get) {
     // Lane order like a tree reduction would not matter for exact types; for floats Metal's
     // order is unspecified, so any fixed order is as faithful as another.
@@ -253,7 +310,7 @@ T simd_sum_at(int line, T v) {
   });
 }
 template <class T>
-T simd_max_at(int line, T v) {
+EMU_RUNTIME T simd_max_at(int line, T v) {
   return emu::exchange<T>(v, line, [v](uint, auto&& get) {
     T acc = v, x;
     for (uint l = 0; l < uint(emu::kSimdWidth); l++)
@@ -263,7 +320,7 @@ T simd_max_at(int line, T v) {
 }
 // Reading an inactive lane is undefined in Metal; the emulator returns NaN/garbage-free 0.
 template <class T>
-T simd_shuffle_at(int line, T v, uint src) {
+EMU_RUNTIME T simd_shuffle_at(int line, T v, uint src) {
   return emu::exchange<T>(v, line, [src](uint, auto&& get) {
     T x{};
     get(src, x);
@@ -271,7 +328,7 @@ T simd_shuffle_at(int line, T v, uint src) {
   });
 }
 template <class T>
-T simd_shuffle_xor_at(int line, T v, uint mask) {
+EMU_RUNTIME T simd_shuffle_xor_at(int line, T v, uint mask) {
   return emu::exchange<T>(v, line, [mask](uint lane, auto&& get) {
     T x{};
     get(lane ^ mask, x);
@@ -279,7 +336,7 @@ T simd_shuffle_xor_at(int line, T v, uint mask) {
   });
 }
 template <class T>
-T simd_shuffle_down_at(int line, T v, uint delta) {
+EMU_RUNTIME T simd_shuffle_down_at(int line, T v, uint delta) {
   return emu::exchange<T>(v, line, [v, delta](uint lane, auto&& get) {
     T x = v;  // lanes past the end keep their own value, as in Metal
     get(lane + delta, x);
@@ -287,7 +344,7 @@ T simd_shuffle_down_at(int line, T v, uint delta) {
   });
 }
 template <class T>
-T simd_shuffle_up_at(int line, T v, uint delta) {
+EMU_RUNTIME T simd_shuffle_up_at(int line, T v, uint delta) {
   return emu::exchange<T>(v, line, [v, delta](uint lane, auto&& get) {
     T x = v;
     if (lane >= delta) get(lane - delta, x);
