@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten
 
 from .formats import dsv4_bundle
 from .layers.expert_store import tensor_ranges
-from .layers.mxtq_linear import MXTQSwitchLinear
+from .layers.mxtq_linear import MXTQSwitchLinear, routed_glu
 from .models import deepseek_v4 as dsv4_model
 from .models import deepseek_v4_attention as dsv4_attention
 
@@ -137,7 +137,7 @@ PARTS = {  # part: the methods whose time (exclusive of nested parts) it gets
     "router": [(dsv4_model.Gate, "__call__")],
     "indexer": [(dsv4_attention.Indexer, "__call__")],
     "compressor": [(dsv4_attention.Compressor, "__call__")],
-    "routed_experts": [(dsv4_model.SwitchMLP, "gate_up"), (MXTQSwitchLinear, "__call__")],
+    "routed_experts": [(dsv4_model.SwitchMLP, "__call__")],
     "shared_expert": [(dsv4_model.SharedExpert, "__call__")],
     "hyper_connections": [(dsv4_model.Block, "_hc_pre"), (dsv4_model.Block, "_hc_post")],
     "attention": [(dsv4_model.Attention, "__call__")],
@@ -284,10 +284,10 @@ def expert_peers(model: nn.Module, experts: int = 32, calls: int = 20, seed: int
         g, u, dn = layers
 
         def call(x, idx):
-            xe = x[..., None, None, :]
-            xr = g.rotate(xe)
-            hmid = nn.silu(g.apply_rotated(xr, idx)) * u.apply_rotated(xr, idx)
-            return dn(hmid, idx).squeeze(-2).sum(-2)
+            # The model's path (one rotation of x, fused gate/up on Metal), without clamp or
+            # route weight like the mlx-lm peer.
+            y = routed_glu(g, u, dn, x[..., None, None, :], idx, mx.ones(idx.shape), 0.0)
+            return y.squeeze(-2).sum(-2)
 
         return call
 

@@ -33,15 +33,19 @@ for (int m = 1; m < 32; m *= 2) {
     v[i] = upper ? other - v[i] : v[i] + other;
   }
 }
+// Element i of lane l is stored at i·32 + l, not l·E + i: the 32 lanes of one store or load then
+// touch 32 consecutive floats (32 banks) instead of every E-th one (an E-way bank conflict).
+// Each thread reads back its own (lane, i) slots of the other simdgroups, so only the layout
+// changes, not the result.
 threadgroup float buf[NSG][CHUNK];
 for (int i = 0; i < E; i++)
-  buf[sg][lane * E + i] = v[i];
+  buf[sg][i * 32 + lane] = v[i];
 metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
 const float norm = metal::rsqrt(float(d));
 for (int i = 0; i < E; i++) {
   float acc = 0.0f;
   for (int s = 0; s < NSG; s++) {
-    const float t = buf[s][lane * E + i];
+    const float t = buf[s][i * 32 + lane];
     acc += (metal::popcount(uint(sg & s)) & 1u) ? -t : t;
   }
   y[row * d + base + i] = acc * norm;

@@ -1,12 +1,11 @@
 // Routed-expert MXTQ matvec: y[slot, r] = norm[e, r] · Σ_i x[slot / xdiv, i] · c[code(e, r, i)],
 // e = idx[slot], x already rotated (float32). xdiv = K when the K slots of a token share one x
 // (gate/up), 1 when every slot has its own (down).
-// Layout: threadgroup (32, 2): one simdgroup per ROWS = 8 output rows of one slot. Lane l walks
-// words l, l + 32, ... of the rows, so a simdgroup reads 32 consecutive words (128 bytes) of
-// each row per step; the lane's VPW x values are loaded once per word and reused by the 8 rows.
-// The 2^BITS-entry codebook is staged once per threadgroup in threadgroup memory. Norms are
-// applied once per row after the simd_sum.
-constexpr int ROWS = 8;
+// Layout: threadgroup (32, 2): one simdgroup per ROWS (template; 16) output rows of one slot.
+// Lane l walks words l, l + 32, ... of the rows, so a simdgroup reads 32 consecutive words
+// (128 bytes) of each row per step; the lane's VPW x values are loaded once per word and reused
+// by the ROWS rows. The 2^BITS-entry codebook is staged once per threadgroup in threadgroup
+// memory. Norms are applied once per row after the simd_sum.
 constexpr int VPW = 32 / BITS;
 constexpr uint MASK = (1u << BITS) - 1u;
 threadgroup float cb[1 << BITS];

@@ -22,7 +22,8 @@ from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.switch_layers import SwitchLinear
 
 from bitnest_mlx.layers.dsv4_cache import DSV4Cache
-from bitnest_mlx.layers.dsv4_ops import PartialRoPE, fp8_fake_quant
+from bitnest_mlx.layers.dsv4_ops import PartialRoPE, fp8_fake_quant, swiglu_clamped
+from bitnest_mlx.layers.mxtq_linear import MXTQSwitchLinear, routed_glu
 from bitnest_mlx.layers.pipeline import PipelineStage
 
 from .deepseek_v4_attention import Compressor, Indexer
@@ -86,13 +87,6 @@ def _yarn_config(args: ModelArgs) -> dict | None:
     params = args.rope_parameters or args.rope_scaling or {}
     kind = params.get("rope_type", params.get("type", "default"))
     return params if kind == "yarn" else None
-
-
-def swiglu_clamped(gate: mx.array, up: mx.array, limit: float) -> mx.array:
-    """The reference clamps gate from above only and up on both sides."""
-    if limit > 0:
-        gate, up = mx.minimum(gate, limit), mx.clip(up, -limit, limit)
-    return nn.silu(gate) * up
 
 
 # ---------------------------------------------------------------- attention
@@ -240,12 +234,15 @@ class SwitchMLP(nn.Module):
         self.up_proj = SwitchLinear(d, h, e, bias=False)
         self.down_proj = SwitchLinear(h, d, e, bias=False)
 
-    def gate_up(self, x: mx.array, idx: mx.array) -> tuple[mx.array, mx.array]:
-        g, u = self.gate_proj, self.up_proj
-        if hasattr(g, "apply_rotated") and hasattr(u, "apply_rotated"):
-            xr = g.rotate(x)  # gate and up share in_features and seed, hence the rotation
-            return g.apply_rotated(xr, idx), u.apply_rotated(xr, idx)
-        return g(x, idx), u(x, idx)
+    def __call__(self, x: mx.array, idx: mx.array, w: mx.array, limit: float) -> mx.array:
+        """down(w · swiglu_clamped(gate(x), up(x))) per routed slot: x [..., 1, 1, D] float32,
+        idx and route weights w [..., K] -> [..., K, 1, D] float32."""
+        projs = (self.gate_proj, self.up_proj, self.down_proj)
+        if all(isinstance(p, MXTQSwitchLinear) for p in projs):
+            return routed_glu(*projs, x, idx, w, limit)
+        h = swiglu_clamped(self.gate_proj(x, idx), self.up_proj(x, idx), limit)
+        # The route weight scales the activation before down_proj, as in the reference.
+        return self.down_proj(h * w[..., None, None], idx)
 
 
 class MoE(nn.Module):
@@ -261,10 +258,7 @@ class MoE(nn.Module):
     def __call__(self, x: mx.array, ids: mx.array) -> mx.array:
         idx, w = self.gate(x, ids)
         xe = x.astype(mx.float32)[..., None, None, :]  # [B, L, 1, 1, D]
-        g, u = self.switch_mlp.gate_up(xe, idx)
-        # The route weight scales the activation before down_proj, as in the reference.
-        h = swiglu_clamped(g, u, self.limit) * w[..., None, None]
-        y = self.switch_mlp.down_proj(h, idx).squeeze(-2).sum(axis=-2)
+        y = self.switch_mlp(xe, idx, w, self.limit).squeeze(-2).sum(axis=-2)
         return (y + self.shared_experts(x).astype(mx.float32)).astype(x.dtype)
 
 

@@ -24,6 +24,7 @@ import bitnest_mlx
 from bitnest_mlx import kernels
 from bitnest_mlx.formats.bitnest import a8_scale
 from bitnest_mlx.layers import dual_plane, mxtq_linear, nested_kv
+from bitnest_mlx.layers.dsv4_ops import swiglu_clamped
 from bitnest_mlx.layers.dual_plane import DualPlaneLinear
 from bitnest_mlx.layers.mxtq_linear import MXTQSwitchLinear, rotate_input
 from bitnest_mlx.layers.nested_kv import nest_dequantize, nest_quantize
@@ -34,6 +35,7 @@ SELF_TESTS = {
     "dual_plane": dual_plane.kernel_self_test,
     "nested_kv": nested_kv.kernel_self_test,
     "mxtq_gather": mxtq_linear.gather_self_test,
+    "mxtq_swiglu": mxtq_linear.swiglu_self_test,
     "hadamard": mxtq_linear.hadamard_self_test,
 }
 
@@ -135,6 +137,27 @@ def mxtq_case(bits, n_in, n_out, experts, tokens, k, shared, seed):
     return call, sw.apply_rotated(x, idx, use_kernels=False)[..., 0, :]
 
 
+def mxtq_swiglu_case(bits, n_in, n_out, experts, tokens, k, limit, seed):
+    keys = mx.random.split(mx.random.key(seed), 6)
+    gate, up = (MXTQSwitchLinear(n_in, n_out, experts, bits=bits) for _ in range(2))
+    for sw, kp, kn in ((gate, keys[0], keys[1]), (up, keys[2], keys[3])):
+        sw.tq_packed = mx.random.randint(0, 2**31, sw.tq_packed.shape, key=kp).astype(mx.uint32)
+        sw.tq_norms = mx.random.uniform(0.5, 2.0, sw.tq_norms.shape, key=kn).astype(mx.float16)
+    x = mx.random.normal((tokens, 1, 1, n_in), key=keys[4]) * 8
+    idx = mx.random.randint(0, experts, (tokens, k), key=keys[5]).astype(mx.uint32)
+    w = mx.random.uniform(0.1, 1.0, (tokens, k), key=keys[4])
+
+    def call(runner, mutate=None):
+        run = runner if mutate is None else (lambda launch: runner(launch, mutate))
+        stacks = (gate.tq_packed, gate.tq_norms), (up.tq_packed, up.tq_norms)
+        return kernels.mxtq_gather_swiglu(
+            x[..., 0, :], idx, *stacks, gate._codebook, bits, limit, w, run
+        )
+
+    g, u = gate.apply_rotated(x, idx, use_kernels=False), up.apply_rotated(x, idx, False)
+    return call, (swiglu_clamped(g, u, limit) * w[..., None, None])[..., 0, :]
+
+
 def hadamard_case(rows, d, seed):
     k1, k2 = mx.random.split(mx.random.key(seed))
     x = mx.random.normal((rows, d), key=k1).astype(mx.float16)
@@ -182,12 +205,19 @@ MXTQ = {
     "4bit_per_slot": (4, 256, 16, 4, 3, 2, False),
     "2bit_words_past_32_lanes": (2, 1024, 9, 3, 1, 2, False),
 }
+# bits, in, out, experts, tokens, K, SwiGLU limit (0: no clamp; small: both clamps bind)
+MXTQ_SWIGLU = {
+    "2bit_clamped_ragged_out": (2, 1024, 21, 5, 2, 3, 0.5),
+    "4bit_no_clamp_two_simdgroups": (4, 256, 40, 4, 3, 2, 0.0),
+    "4bit_limit_10_one_token": (4, 512, 16, 3, 1, 2, 10.0),
+}
 HADAMARD = {"d128_e1": (3, 128), "d512": (2, 512), "d2048": (2, 2048), "d4096": (1, 4096)}
 
 CASES = {
     "dual_plane": (dual_plane_case, DUAL_PLANE, 2e-5),
     "nested_kv": (nested_kv_case, NESTED_KV, 2e-5),
     "mxtq_gather": (mxtq_case, MXTQ, 2e-5),
+    "mxtq_swiglu": (mxtq_swiglu_case, MXTQ_SWIGLU, 2e-5),
     "hadamard": (hadamard_case, HADAMARD, 2e-5),
 }
 ALL = [(kind, name) for kind, (_, table, _) in CASES.items() for name in table]
@@ -224,6 +254,8 @@ MUTATIONS = {
     "nested_kv": ("verify4_kv8_gqa3_d64", "t < t_end && t <= last[j]", "t < t_end && t < last[j]"),
     # Codes read at the neighbouring field.
     "mxtq_gather": ("4bit_per_slot", "(code >> (i * BITS))", "(code >> ((i + 1) * BITS))"),
+    # The gate is clamped at twice the limit.
+    "mxtq_swiglu": ("2bit_clamped_ragged_out", "metal::min(g, limit)", "metal::min(g, 2 * limit)"),
     # The cross-simdgroup stage forgets the minus signs of H_4.
     "hadamard": ("d512", "? -t : t", "? t : t"),
 }

@@ -18,10 +18,13 @@ from .launch import KernelSpec, Launch, Runner, metal_runner, run
 from .mxtq import (
     HADAMARD,
     MXTQ_GATHER,
+    MXTQ_ROWS,
+    MXTQ_SWIGLU,
     hadamard_rotate,
     hadamard_supported,
     mxtq_gather_matvec,
     mxtq_gather_supported,
+    mxtq_gather_swiglu,
 )
 from .nested_kv import (
     NESTED_KV,
@@ -32,7 +35,7 @@ from .nested_kv import (
     nested_kv_supported,
 )
 
-SPECS = (DUAL_PLANE, NESTED_KV, NESTED_KV_MERGE, MXTQ_GATHER, HADAMARD)
+SPECS = (DUAL_PLANE, NESTED_KV, NESTED_KV_MERGE, MXTQ_GATHER, MXTQ_SWIGLU, HADAMARD)
 
 __all__ = [
     "DUAL_PLANE",
@@ -40,6 +43,8 @@ __all__ = [
     "LANE_COLS",
     "MAX_M",
     "MXTQ_GATHER",
+    "MXTQ_ROWS",
+    "MXTQ_SWIGLU",
     "NESTED_KV",
     "NESTED_KV_MERGE",
     "SPECS",
@@ -58,6 +63,7 @@ __all__ = [
     "metal_runner",
     "mxtq_gather_matvec",
     "mxtq_gather_supported",
+    "mxtq_gather_swiglu",
     "nested_kv_attention",
     "nested_kv_supported",
     "record",

@@ -64,9 +64,19 @@ def fp4_fake_quant(x: mx.array, block: int = 32) -> mx.array:
     return q.reshape(x.shape).astype(x.dtype)
 
 
+def swiglu_clamped(gate: mx.array, up: mx.array, limit: float) -> mx.array:
+    """The reference clamps gate from above only and up on both sides (none when limit <= 0).
+
+    Here, not in the model, because the MXTQ experts' fused kernel and its pure path
+    (layers/mxtq_linear.py) apply the same rule."""
+    if limit > 0:
+        gate, up = mx.minimum(gate, limit), mx.clip(up, -limit, limit)
+    return nn.silu(gate) * up
+
+
 def hadamard_fp4(x: mx.array) -> mx.array:
     """Indexer QAT: orthonormal Walsh-Hadamard rotation, then FP4 (only the FP4 changes q·k)."""
     return fp4_fake_quant(mx.hadamard_transform(x.astype(mx.float32)))
 
 
-__all__ = ["PartialRoPE", "fp8_fake_quant", "fp4_fake_quant", "hadamard_fp4"]
+__all__ = ["PartialRoPE", "fp8_fake_quant", "fp4_fake_quant", "hadamard_fp4", "swiglu_clamped"]

@@ -25,6 +25,7 @@ from ..formats.mxtq import (
     unpack_codes,
     values_per_word,
 )
+from .dsv4_ops import swiglu_clamped
 
 
 def rotate_input(x: mx.array, sign: mx.array) -> mx.array:
@@ -43,6 +44,7 @@ class _MXTQBase(nn.Module):
         super().__init__()
         check_in_features(in_features, bits)
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
+        self._seed = seed
         words = in_features // values_per_word(bits)
         self.tq_packed = mx.zeros((*lead, out_features, words), dtype=mx.uint32)
         self.tq_norms = mx.zeros((*lead, out_features), dtype=mx.float16)
@@ -57,10 +59,12 @@ class _MXTQBase(nn.Module):
             self._byte_values = self._codebook[mx.array(byte_codes)]  # [256, cpb]
         self.freeze()
 
-    def rotate(self, x: mx.array) -> mx.array:
+    def rotate(self, x: mx.array, use_kernels: bool = True) -> mx.array:
         """R x (float32). Modules with the same in_features and seed can share one rotated x."""
-        if kernels.hadamard_supported(self.in_features) and kernels.use(
-            "hadamard", hadamard_self_test
+        if (
+            use_kernels
+            and kernels.hadamard_supported(self.in_features)
+            and kernels.use("hadamard", hadamard_self_test)
         ):
             kernels.record("hadamard", "kernel")
             return kernels.hadamard_rotate(x, self._signs)
@@ -149,19 +153,8 @@ class MXTQSwitchLinear(_MXTQBase):
         self._store, self._source = store, source
         del self.tq_packed
 
-    def _routed(self, indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """(codes, norms, ids): stacks holding the routed experts and the ids into them.
-
-        Resident: the whole stacks and `indices`. With a store: the distinct routed experts,
-        read through it, and `indices` renumbered into them; `codes[ids]` then holds the same
-        values as the resident `tq_packed[indices]`, so results are bit-identical."""
-        if self._store is None:
-            return self.tq_packed, self.tq_norms, indices
-        ids = np.array(indices)  # host sync: which experts to read depends on the routing
-        experts, local = np.unique(ids, return_inverse=True)
-        codes = self._store.fetch(self._source, experts.tolist())
-        local = mx.array(local.reshape(ids.shape).astype(np.uint32))
-        return codes, self.tq_norms[mx.array(experts.astype(np.uint32))], local
+    def _routed(self, indices: mx.array) -> Routed:
+        return route([self], indices)[0]
 
     def _codes_of(self, experts: np.ndarray) -> mx.array:
         """The codes of `experts` (host ids, ascending), stacked."""
@@ -181,11 +174,17 @@ class MXTQSwitchLinear(_MXTQBase):
         return 4 * self.out_features * self.in_features
 
     def apply_rotated(
-        self, x_rot: mx.array, indices: mx.array, use_kernels: bool = True
+        self,
+        x_rot: mx.array,
+        indices: mx.array,
+        use_kernels: bool = True,
+        routed: Routed | None = None,
     ) -> mx.array:
         """[..., 1|K, M, in] rotated inputs, [..., K] expert ids -> [..., K, M, out] float32.
 
-        `use_kernels=False` forces the pure-MLX path (the kernel's reference)."""
+        `routed`: this stack's `route` result when the caller already has it (the projections
+        of one MoE layer share one). `use_kernels=False` forces the pure-MLX path (the
+        kernel's reference)."""
         if (
             use_kernels
             and x_rot.shape[-2] == 1
@@ -193,17 +192,19 @@ class MXTQSwitchLinear(_MXTQBase):
             and kernels.use("mxtq_gather", gather_self_test)
         ):
             kernels.record("mxtq_gather", "kernel")
-            codes, norms, ids = self._routed(indices)
+            codes, norms, ids = routed or self._routed(indices)
             y = kernels.mxtq_gather_matvec(
                 x_rot[..., 0, :], ids, codes, norms, self._codebook, self.bits
             )
             return y[..., None, :]
-        return self._pure_apply(x_rot, indices)
+        return self._pure_apply(x_rot, indices, routed)
 
-    def _pure_apply(self, x_rot: mx.array, indices: mx.array) -> mx.array:
+    def _pure_apply(
+        self, x_rot: mx.array, indices: mx.array, routed: Routed | None = None
+    ) -> mx.array:
         batch = tuple(np.broadcast_shapes(x_rot.shape[:-2], indices.shape))
         if math.prod(batch) * self._expert_bytes <= self.max_dequant_bytes:
-            codes, norms, ids = self._routed(indices)
+            codes, norms, ids = routed or self._routed(indices)
             y = self._matvec(x_rot, codes[ids])
             return y * norms[ids].astype(mx.float32)[..., None, :]
         y = self._grouped(x_rot, mx.broadcast_to(indices, batch), batch)
@@ -239,23 +240,138 @@ class MXTQSwitchLinear(_MXTQBase):
         return self.apply_rotated(self.rotate(x), indices).astype(x.dtype)
 
 
+Routed = tuple[mx.array, mx.array, mx.array]  # (codes, norms, ids into them) of one stack
+
+
+def route(layers: list[MXTQSwitchLinear], indices: mx.array) -> list[Routed]:
+    """Per layer (codes, norms, ids): stacks holding the routed experts and the ids into them.
+
+    Resident stacks: the whole stacks and `indices` (no host sync, so it compiles). With an
+    expert store: the distinct routed experts, read through it, and `indices` renumbered into
+    them; `codes[ids]` holds the same values as the resident `tq_packed[indices]`, so results
+    are bit-identical. The layers share their routing (gate, up and down of one MoE layer), so
+    they share the one host sync and the one renumbering."""
+    if all(layer._store is None for layer in layers):
+        return [(layer.tq_packed, layer.tq_norms, indices) for layer in layers]
+    ids = np.array(indices)  # host sync: which experts to read depends on the routing
+    experts, local = np.unique(ids, return_inverse=True)
+    local = mx.array(local.reshape(ids.shape).astype(np.uint32))
+    pick = mx.array(experts.astype(np.uint32))
+    return [(layer._codes_of(experts), layer.tq_norms[pick], local) for layer in layers]
+
+
+def routed_glu(
+    gate: MXTQSwitchLinear,
+    up: MXTQSwitchLinear,
+    down: MXTQSwitchLinear,
+    x: mx.array,
+    indices: mx.array,
+    weights: mx.array,
+    limit: float,
+    use_kernels: bool = True,
+) -> mx.array:
+    """down(weights · swiglu_clamped(gate(x), up(x), limit)) per routed slot, the route weight
+    applied before down as in DeepSeek-V4: x [..., 1, M, in] float32 shared by a token's slots,
+    indices and weights [..., K] -> [..., K, M, out] float32.
+
+    x is rotated once for gate and up (same in_features and seed), the activation once for
+    down; with an expert store the three stacks' reads share one host sync. At M = 1 on Metal,
+    gate, up, clamp, SiLU, product and route weight are one dispatch (`mxtq_gather_swiglu`)."""
+    stacks = route([gate, up, down], indices)
+    xr = gate.rotate(x, use_kernels)
+    if (
+        use_kernels
+        and x.shape[-2] == 1
+        and x.shape[-3] == 1
+        and fusable(gate, up)
+        and kernels.mxtq_gather_supported(xr[..., 0, :], indices, gate.bits)
+        and kernels.use("mxtq_swiglu", swiglu_self_test)
+    ):
+        kernels.record("mxtq_swiglu", "kernel")
+        (gc, gn, ids), (uc, un, _) = stacks[:2]
+        h = kernels.mxtq_gather_swiglu(
+            xr[..., 0, :], ids, (gc, gn), (uc, un), gate._codebook, gate.bits, limit, weights
+        )[..., None, :]
+    else:
+        kernels.record("mxtq_swiglu", "pure")
+        g = gate.apply_rotated(xr, indices, use_kernels, stacks[0])
+        u = up.apply_rotated(xr, indices, use_kernels, stacks[1])
+        h = swiglu_clamped(g, u, limit) * weights[..., None, None]
+    return down.apply_rotated(down.rotate(h, use_kernels), indices, use_kernels, stacks[2])
+
+
+def fusable(gate: MXTQSwitchLinear, up: MXTQSwitchLinear) -> bool:
+    """Gate and up can share one rotated x and one codebook."""
+    same = ("in_features", "out_features", "bits", "_seed")
+    return all(getattr(gate, a) == getattr(up, a) for a in same)
+
+
+def _random_switch(n_in: int, n_out: int, experts: int, bits: int, key) -> MXTQSwitchLinear:
+    k1, k2 = mx.random.split(key)
+    sw = MXTQSwitchLinear(n_in, n_out, experts, bits=bits)
+    sw.tq_packed = mx.random.randint(0, 2**31, sw.tq_packed.shape, key=k1).astype(mx.uint32)
+    sw.tq_norms = mx.random.uniform(0.5, 1.5, sw.tq_norms.shape, key=k2).astype(mx.float16)
+    return sw
+
+
 def gather_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx.array]:
-    """(kernel, pure) routed 2-bit experts at M = 1, shared and repeated expert ids."""
-    k1, k2, k3 = mx.random.split(mx.random.key(3), 3)
-    sw = MXTQSwitchLinear(128, 10, 3, bits=2)
-    sw.tq_packed = mx.random.randint(0, 2**31, (3, 10, 8), key=k1).astype(mx.uint32)
-    sw.tq_norms = mx.random.uniform(0.5, 1.5, (3, 10), key=k2).astype(mx.float16)
-    x = mx.random.normal((2, 1, 1, 128), key=k3)
-    idx = mx.array([[0, 2], [1, 1]], dtype=mx.uint32)
-    got = kernels.mxtq_gather_matvec(
-        x[:, :, 0, :], idx, sw.tq_packed, sw.tq_norms, sw._codebook, 2, runner
-    )
-    return got, sw._pure_apply(x, idx)[..., 0, :]
+    """(kernel, pure) routed experts at M = 1 as a decode step calls them, at 2 and 4 bits (both
+    DeepSeek-V4 widths): in_features 1024 (a lane walks 2 (2 bits) or 4 (4 bits) words of a
+    row), 40 rows (two simdgroups of 16 and a ragged 8), shared x (gate/up) and one x per slot
+    (down), repeated expert ids."""
+    got, want = [], []
+    idx = mx.array([[0, 2, 2], [1, 3, 0]], dtype=mx.uint32)
+    for bits, seed in ((2, 3), (4, 5)):
+        k1, k2 = mx.random.split(mx.random.key(seed))
+        sw = _random_switch(1024, 40, 4, bits, k1)
+        for rows in (1, 3):
+            x = mx.random.normal((2, rows, 1, 1024), key=k2)
+            got.append(
+                kernels.mxtq_gather_matvec(
+                    x[:, :, 0, :], idx, sw.tq_packed, sw.tq_norms, sw._codebook, bits, runner
+                )
+            )
+            want.append(sw._pure_apply(x, idx)[..., 0, :])
+    return mx.concatenate(got, axis=-1), mx.concatenate(want, axis=-1)
+
+
+def swiglu_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx.array]:
+    """(kernel, pure) fused gate + up + clamped SwiGLU + route weight at 2 and 4 bits:
+    in_features 1024, 40 rows, 3 slots per token, a limit that clips some gate and up values."""
+    got, want = [], []
+    idx = mx.array([[0, 2, 2], [1, 3, 0]], dtype=mx.uint32)
+    for bits, seed in ((2, 6), (4, 7)):
+        k1, k2, k3, k4 = mx.random.split(mx.random.key(seed), 4)
+        gate, up = _random_switch(1024, 40, 4, bits, k1), _random_switch(1024, 40, 4, bits, k2)
+        x = mx.random.normal((2, 1, 1, 1024), key=k3) * 8
+        w = mx.random.uniform(0.1, 1.0, idx.shape, key=k4)
+        limit = 0.5
+        got.append(
+            kernels.mxtq_gather_swiglu(
+                x[:, :, 0, :],
+                idx,
+                (gate.tq_packed, gate.tq_norms),
+                (up.tq_packed, up.tq_norms),
+                gate._codebook,
+                bits,
+                limit,
+                w,
+                runner,
+            )
+        )
+        g, u = gate._pure_apply(x, idx), up._pure_apply(x, idx)
+        want.append((swiglu_clamped(g, u, limit) * w[..., None, None])[..., 0, :])
+    return mx.concatenate(got, axis=-1), mx.concatenate(want, axis=-1)
 
 
 def hadamard_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx.array]:
-    """(kernel, pure) signed Hadamard rotation of two rows of 256."""
-    k1, k2 = mx.random.split(mx.random.key(4))
-    x = mx.random.normal((2, 256), key=k1)
-    s = mx.where(mx.random.uniform(shape=(256,), key=k2) < 0.5, -1.0, 1.0)
-    return kernels.hadamard_rotate(x, s, runner), rotate_input(x, s)
+    """(kernel, pure) signed Hadamard rotations at DeepSeek-V4's expert widths: 2 rows of 4096
+    (gate/up input) and 3 of 2048 (down input)."""
+    got, want = [], []
+    for rows, d, seed in ((2, 4096, 4), (3, 2048, 8)):
+        k1, k2 = mx.random.split(mx.random.key(seed))
+        x = mx.random.normal((rows, d), key=k1)
+        s = mx.where(mx.random.uniform(shape=(d,), key=k2) < 0.5, -1.0, 1.0)
+        got.append(kernels.hadamard_rotate(x, s, runner).reshape(-1))
+        want.append(rotate_input(x, s).reshape(-1))
+    return mx.concatenate(got), mx.concatenate(want)
