@@ -1,13 +1,46 @@
 // Helpers shared by the bitnest kernels; passed to mx.fast.metal_kernel as `header`.
 // MLX scans only the kernel body for attribute names, so nothing here may rely on them.
 
+// Short loops with a constant trip count are unrolled in full: their counters and index
+// arithmetic then cost nothing per element (Metal's compiler is clang-based; g++ ignores it).
+#define BN_UNROLL _Pragma("clang loop unroll(full)")
+
 // Code i (0..7) of a 4-bit word, as MLX's affine packing stores it: low nibble first.
 inline int bn_nibble(uint word, int i) {
   return int((word >> (4 * i)) & 0xfu);
 }
 
-// A8 code of one activation: clip(round_half_even(x / s), -128, 127), in float32 like the spec.
-// Division, not a reciprocal multiply, so ties round exactly as the pure path does.
-inline int bn_a8_code(float x, float s) {
-  return int(metal::clamp(metal::rint(x / s), -128.0f, 127.0f));
+// The float 2^23 + m for an integer 0 <= m < 2^23 (m ORed into the mantissa of 2^23): a code
+// masked in place becomes a float without a shift or an int->float conversion.
+inline float bn_magic(uint m) {
+  return as_type<float>(0x4B000000u | m);
+}
+
+// The 8 W4 codes of word h, minus 8, each times 16^-(c % 4) (x is pre-scaled by the inverse):
+// out[c] = (nibble c - 8) · 16^(c % 4), exact.
+inline void bn_decode_w4(uint h, thread float* out) {
+  const uint upper = h >> 16;
+  out[0] = bn_magic(h & 0xFu) - 8388616.0f;  // 2^23 + 8
+  out[1] = bn_magic(h & 0xF0u) - 8388736.0f;  // 2^23 + 8·16
+  out[2] = bn_magic(h & 0xF00u) - 8390656.0f;  // 2^23 + 8·256
+  out[3] = bn_magic(h & 0xF000u) - 8421376.0f;  // 2^23 + 8·4096
+  out[4] = bn_magic(upper & 0xFu) - 8388616.0f;
+  out[5] = bn_magic(upper & 0xF0u) - 8388736.0f;
+  out[6] = bn_magic(upper & 0xF00u) - 8390656.0f;
+  out[7] = bn_magic(upper & 0xF000u) - 8421376.0f;
+}
+
+// The 8 W8 codes 16 (hi - 8) + (lo - 8) of a word pair, given as bytes 16 hi + lo: `even` holds
+// columns 0, 2, 4, 6 and `odd` columns 1, 3, 5, 7. out[c] = code · 256^((c / 2) % 2), exact.
+inline void bn_decode_w8(uint even, uint odd, thread float* out) {
+  const uint even_up = even >> 16;
+  const uint odd_up = odd >> 16;
+  out[0] = bn_magic(even & 0xFFu) - 8388744.0f;  // 2^23 + 136
+  out[1] = bn_magic(odd & 0xFFu) - 8388744.0f;
+  out[2] = bn_magic(even & 0xFF00u) - 8423424.0f;  // 2^23 + 136·256
+  out[3] = bn_magic(odd & 0xFF00u) - 8423424.0f;
+  out[4] = bn_magic(even_up & 0xFFu) - 8388744.0f;
+  out[5] = bn_magic(odd_up & 0xFFu) - 8388744.0f;
+  out[6] = bn_magic(even_up & 0xFF00u) - 8423424.0f;
+  out[7] = bn_magic(odd_up & 0xFF00u) - 8423424.0f;
 }

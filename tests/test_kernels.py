@@ -22,7 +22,7 @@ from metal_emu import emulator, syntax
 
 import bitnest_mlx
 from bitnest_mlx import kernels
-from bitnest_mlx.formats.bitnest import a8_scale
+from bitnest_mlx.formats.bitnest import a8_codes
 from bitnest_mlx.layers import dual_plane, mxtq_linear, nested_kv
 from bitnest_mlx.layers.dsv4_ops import swiglu_clamped
 from bitnest_mlx.layers.dual_plane import DualPlaneLinear
@@ -69,10 +69,13 @@ def dual_plane_case(m, n, k, weight_group, draft, act, dtype, seed):
 
     def call(runner, mutate=None):
         run = runner if mutate is None else (lambda launch: runner(launch, mutate))
-        a_scale = None if group is None else a8_scale(x, group)
-        return kernels.dual_plane_matmul(
-            x, lin.hi, lin.lo, lin.scales, draft=draft, a_scale=a_scale, runner=run
+        if group is None:
+            return kernels.dual_plane_matmul(x, lin.hi, lin.lo, lin.scales, draft=draft, runner=run)
+        codes, a_scale = a8_codes(x, group)
+        y = kernels.dual_plane_matmul(
+            codes, lin.hi, lin.lo, lin.scales, draft=draft, a_scale=a_scale, runner=run
         )
+        return y.astype(x.dtype)
 
     pure = RunOptions("draft" if draft else "target", group is not None, use_kernels=False)
     return call, lin(x, pure, a8_group=-1 if group is None else group)
@@ -248,8 +251,8 @@ def test_kernel_matches_pure_path_in_emulator(kind, name):
 
 # One planted bug per kernel: the comparison above must notice each.
 MUTATIONS = {
-    # bn_nibble reads one bit too high: the nibble shift is off by one.
-    "dual_plane": ("m3_target_a8_token", "(word >> (4 * i))", "(word >> (4 * i + 1))"),
+    # The odd columns' lo nibbles are read one bit too high.
+    "dual_plane": ("m3_target_a8_token", "((l >> 4) & 0x0F0F0F0Fu)", "((l >> 5) & 0x0F0F0F0Fu)"),
     # The causal test lets the newest query miss its own key.
     "nested_kv": ("verify4_kv8_gqa3_d64", "t < t_end && t <= last[j]", "t < t_end && t < last[j]"),
     # Codes read at the neighbouring field.

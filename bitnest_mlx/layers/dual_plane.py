@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
-from ..formats.bitnest.numerics import GROUP_SIZE, WEIGHT_GROUPS, a8, a8_scale, nested
+from ..formats.bitnest.numerics import GROUP_SIZE, WEIGHT_GROUPS, a8, a8_codes, nested
 from .options import RunOptions
 
 _DEFAULT = RunOptions()
@@ -94,9 +94,9 @@ def project(
     options: RunOptions | None = None,
     a8_group: int = -1,
 ) -> list[mx.array]:
-    """x through Linears that all read it (q/k/v, gate/up): A8 applied once (on the kernel path,
-    its scale computed once and x quantized inside each kernel) and one kernel-or-pure decision.
-    """
+    """x through Linears that all read it (q/k/v, gate/up): A8 applied once and one
+    kernel-or-pure decision. On the kernel path x is quantized to A8 codes once per call (per
+    token, not per row) and every kernel reads those codes."""
     o = options or _DEFAULT
     group = a8_group if o.quantize_activations else None
     if (
@@ -105,10 +105,11 @@ def project(
         and kernels.dual_plane_supported(x, linears[0].hi, linears[0].scales)
     ):
         path = "kernel"
-        fused = group is not None and kernels.a8_fusable(group, x.shape[-1])
-        x_in = x if fused or group is None else a8(x, group)
-        a_scale = a8_scale(x, group) if fused else None
-        ys = [lin._kernel(x_in, a_scale, o.draft) for lin in linears]
+        if group is not None and kernels.a8_fusable(group, x.shape[-1]):
+            x_in, a_scale = a8_codes(x, group)
+        else:
+            x_in, a_scale = (x if group is None else a8(x, group)), None
+        ys = [lin._kernel(x_in, a_scale, o.draft).astype(x.dtype) for lin in linears]
     else:
         path = "pure"
         x_in = x if group is None else a8(x, group)
@@ -119,24 +120,46 @@ def project(
 
 
 def kernel_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx.array]:
-    """(kernel, pure) on small random Linears with target planes, one per weight group size;
-    A8 per token at 128, per 64 and per 128 columns (o_proj's per-head groups) at 64 and 32."""
+    """(kernel, pure) as a real model calls it, small enough for the first use on a base M1:
+    K = 1152 (two full 512-column sweeps and a ragged third, several weight groups per lane),
+    M = 1 and 4 tokens, draft and target, per-token A8 at group 128, per-group A8 (64 and 128
+    columns, o_proj's per-head groups) at groups 64 and 32, and the fused gate/up epilogue."""
     got, want = [], []
-    cases = ((128, -1), (64, 64), (32, 128))  # (weight group, A8 group): every WEIGHT_GROUPS
-    for i, (group_size, a_group) in enumerate(cases):
-        k1, k2, k3, k4 = mx.random.split(mx.random.key(1 + i), 4)
-        lin = DualPlaneLinear(256, 12, group_size=group_size)
-        lin.hi = mx.random.randint(0, 2**31, (12, 32), key=k1).astype(mx.uint32)
-        lin.lo = mx.random.randint(0, 2**31, (12, 32), key=k2).astype(mx.uint32)
-        # A different scale per group, so that reading the wrong group shows.
-        lin.scales = mx.random.uniform(0.005, 0.02, lin.scales.shape, key=k3)
-        lin.biases = -8 * lin.scales
-        x = mx.random.normal((3, 256), key=k4)
-        a_scale = a8_scale(x, a_group)
+    k, n = 1152, 12
+    # (M, weight group, A8 group, draft): every WEIGHT_GROUPS, both A8 kinds, both planes.
+    cases = ((1, 128, -1, True), (4, 128, -1, False), (4, 64, 64, False), (1, 32, 128, True))
+    for i, (m, group_size, a_group, draft) in enumerate(cases):
+        lin = _random_linear(k, n, group_size, seed=1 + i)
+        x = mx.random.normal((m, k), key=mx.random.key(10 + i))
+        codes, a_scale = a8_codes(x, a_group)
         got.append(
             kernels.dual_plane_matmul(
-                x, lin.hi, lin.lo, lin.scales, draft=False, a_scale=a_scale, runner=runner
+                codes, lin.hi, lin.lo, lin.scales, draft=draft, a_scale=a_scale, runner=runner
             )
         )
-        want.append(lin._pure(a8(x, a_group), draft=False))
-    return mx.concatenate(got, axis=-1), mx.concatenate(want, axis=-1)
+        want.append(lin._pure(a8(x, a_group), draft=draft))
+    gate, up = _random_linear(k, 6, 128, seed=7), _random_linear(k, 6, 128, seed=8)
+    x = mx.random.normal((4, k), key=mx.random.key(20))
+    codes, a_scale = a8_codes(x)
+    planes = (mx.concatenate([gate.hi, up.hi]), mx.concatenate([gate.lo, up.lo]))
+    scales = mx.concatenate([gate.scales, up.scales])
+    got.append(
+        kernels.dual_plane_matmul(
+            codes, *planes, scales, draft=False, a_scale=a_scale, gate_up=True, runner=runner
+        )
+    )
+    xq = a8(x)
+    want.append(nn.silu(gate._pure(xq, draft=False)) * up._pure(xq, draft=False))
+    flat = [a.reshape(-1) for a in got], [a.reshape(-1) for a in want]
+    return mx.concatenate(flat[0]), mx.concatenate(flat[1])
+
+
+def _random_linear(k: int, n: int, group_size: int, seed: int) -> DualPlaneLinear:
+    """Random planes and a different scale per group (reading the wrong group shows)."""
+    k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
+    lin = DualPlaneLinear(k, n, group_size=group_size)
+    lin.hi = mx.random.randint(0, 2**31, (n, k // 8), key=k1).astype(mx.uint32)
+    lin.lo = mx.random.randint(0, 2**31, (n, k // 8), key=k2).astype(mx.uint32)
+    lin.scales = mx.random.uniform(0.005, 0.02, lin.scales.shape, key=k3)
+    lin.biases = -8 * lin.scales
+    return lin

@@ -42,6 +42,8 @@ struct float4 { float x, y, z, w; };
 #define INFINITY __builtin_inff()
 #define NAN __builtin_nanf("")
 
+template <class T, class U> T as_type(U);
+
 namespace metal {
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 void threadgroup_barrier(mem_flags);
@@ -71,6 +73,7 @@ float log(float);
 float sqrt(float);
 float rsqrt(float);
 float fabs(float);
+float fma(float, float, float);
 bool isnan(float);
 bool isinf(float);
 half exp(half);

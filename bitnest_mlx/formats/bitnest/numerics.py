@@ -48,16 +48,30 @@ def a8_scale(x, group: int = -1):
     return scale[..., 0] if group > 0 else scale
 
 
+def _a8_q(x, group: int):
+    """(q grouped, scale grouped): q = clip(round_half_even(x/scale), -128, 127), as floats."""
+    xp = _xp(x)
+    xf, scale = _a8_groups(x, group)
+    return xp.clip(xp.round(xf / scale), -128, 127), scale
+
+
+def a8_codes(x, group: int = -1):
+    """(q, scale): the A8 codes of x (float32 integers in [-128, 127], x's shape) and their
+    scale as `a8_scale` gives it; a8(x) = q·scale. What a kernel with integer-exact dots needs."""
+    q, scale = _a8_q(x, group)
+    return q.reshape(x.shape), scale[..., 0] if group > 0 else scale
+
+
 def a8(x, group: int = -1):
     """Symmetric int8 fake-quantization per token (group=-1) or per `group` columns:
     q = clip(round_half_even(x/scale), -128, 127), returns q·scale in x's dtype (MLX) or float.
 
-    Division (not multiplication by 127/amax) reproduces the reference rounding at ties.
+    Division (not multiplication by 127/amax) reproduces the reference rounding at ties. The
+    input rule is one for every path: x in its own dtype, widened to float32 (MLX).
     """
-    xp = _xp(x)
-    xf, scale = _a8_groups(x, group)
-    out = (xp.clip(xp.round(xf / scale), -128, 127) * scale).reshape(x.shape)
-    return out.astype(x.dtype) if xp is mx else out
+    q, scale = _a8_q(x, group)
+    out = (q * scale).reshape(x.shape)
+    return out.astype(x.dtype) if _xp(x) is mx else out
 
 
 def pack_nibbles(u: np.ndarray) -> np.ndarray:

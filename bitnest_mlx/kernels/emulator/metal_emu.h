@@ -358,6 +358,7 @@ using std::exp;
 using std::exp2;
 using std::fabs;
 using std::floor;
+using std::fma;
 using std::isinf;
 using std::isnan;
 using std::log;
@@ -387,6 +388,15 @@ inline float divide(float a, float b) { return a / b; }
 }  // namespace precise
 
 }  // namespace metal
+
+// Metal's bit reinterpretation between same-size types.
+template <class T, class U>
+T as_type(U v) {
+  static_assert(sizeof(T) == sizeof(U), "as_type needs types of one size");
+  T out;
+  std::memcpy(&out, &v, sizeof(T));
+  return out;
+}
 
 // Call sites are part of the simd/barrier contract (see emu::wait), so the builtins carry __LINE__.
 #define simd_sum(...) simd_sum_at(__LINE__, __VA_ARGS__)
