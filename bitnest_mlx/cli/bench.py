@@ -28,6 +28,7 @@ from ..loader import LOAD_ERRORS, load, supports_draft
 from ..roofline import CHIPS as CHIPS  # re-exported: the bench's face of the roofline
 from ..roofline import resolve_draft_kv, roofline
 from ..sampling import make_sampler
+from . import kernel_costs
 from .args import (
     Parser,
     add_draft_kv,
@@ -110,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--parts", action="store_true", help="DeepSeek-V4: time one decode step by model part"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--kernels",
+        action="store_true",
+        help="instead of a model: each Metal kernel's operation counts (CPU emulator; needs g++ "
+        "and clang) as estimated cycles per weight against Apple GPUs' bandwidth budgets",
+    )
     return p
 
 
@@ -417,6 +424,8 @@ def report(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.kernels:
+        return kernel_costs.main(args.json)
 
     try:
         result = run(args)

@@ -1,0 +1,123 @@
+"""The emulator's operation counts (bitnest_mlx/kernels/emulator/counting.py) and what they say
+about the dual-plane kernel; `bench --kernels` turns them into estimated cycles."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from dataclasses import dataclass
+
+import mlx.core as mx
+import pytest
+
+from bitnest_mlx import kernels
+from bitnest_mlx.cli import bench, kernel_costs
+from bitnest_mlx.kernels.emulator import counting, emulate, profile
+
+needs_compilers = pytest.mark.skipif(
+    shutil.which(emulate.CXX) is None or counting.compiler() is None,
+    reason="operation counts need g++ and clang++",
+)
+
+
+@dataclass(frozen=True)
+class InlineSpec(kernels.KernelSpec):
+    body: str = ""
+
+    @property
+    def source(self) -> str:
+        return self.body
+
+    @property
+    def header(self) -> str:
+        return ""
+
+
+def count_inline(body: str, threads: int) -> counting.Counts:
+    digest = hashlib.sha256(body.encode()).hexdigest()[:12]
+    spec = InlineSpec(f"count_probe_{digest}", "", ("in0", "in1"), ("out",), body=body)
+    a = mx.arange(1, threads + 1, dtype=mx.float32)
+    launch = kernels.Launch(
+        spec, [a, a * 2], [], (threads, 1, 1), (32, 1, 1), [(threads,)], [mx.float32]
+    )
+    counts, outputs = counting.count(launch)
+    mx.eval(outputs)
+    return counts
+
+
+@needs_compilers
+def test_counts_of_a_tiny_launch_match_a_hand_count():
+    # Per thread: two float loads, a·b + a/b contracted into one FMA over one division, one
+    # simd_sum and the add after it, one float store.
+    body = """
+    const uint i = thread_position_in_grid.x;
+    const float a = in0[i];
+    const float b = in1[i];
+    out[i] = a * b + a / b + metal::simd_sum(a);
+    """
+    ops = count_inline(body, 64).ops
+    hand = {"fma": 64, "div": 64, "fadd": 64, "simd": 64}
+    assert {c: ops[c] for c in hand} == hand
+    assert ops["device_read_bytes"] == 64 * 2 * 4 and ops["device_write_bytes"] == 64 * 4
+    assert ops["convert"] == ops["round"] == ops["int_mul"] == 0
+
+
+@needs_compilers
+def test_counts_follow_control_flow_not_the_source_text():
+    # One division in the text, executed only by the 16 threads below 16 of 64.
+    body = """
+    const uint i = thread_position_in_grid.x;
+    float v = in0[i];
+    if (i < 16u)
+      v = v / in1[i];
+    out[i] = v;
+    """
+    assert count_inline(body, 64).ops["div"] == 16
+
+
+def small_dual_plane_cases() -> list[profile.Case]:
+    return profile.dual_plane_cases(n=16, k=1536)
+
+
+@needs_compilers
+def test_a_planted_division_shows_in_the_dual_plane_counts():
+    case = small_dual_plane_cases()[0]
+    clean = profile.measure(case)["per_unit"]["div"]
+    planted = profile.measure(
+        case,
+        mutate=lambda s: s.replace(
+            "xv[i] = x[m * K + k0 + i];", "xv[i] = x[m * K + k0 + i] / 3.0f;"
+        ),
+    )["per_unit"]["div"]
+    assert clean == 0
+    # One division per x value loaded: each is reused by the simdgroup's 4 rows.
+    assert planted == pytest.approx(1 / 4, rel=0.05)
+
+
+@needs_compilers
+@pytest.mark.parametrize("index", range(4), ids=["draft-M1", "target-M1", "draft-M4", "target-M4"])
+def test_dual_plane_per_weight_token_has_no_division_rounding_or_conversion(index):
+    """Per weight and token: one FMA against the decoded code, the decode's one subtract shared
+    by the M tokens, and the weight scale once per lane's 16 columns; nothing on the slow pipe."""
+    case = small_dual_plane_cases()[index]
+    r = profile.measure(case)
+    p = r["per_unit"]
+    m = 1 if "M=1" in case.name else 4
+    assert p["div"] == p["round"] == p["convert"] == 0
+    float_ops = p["fma"] + p["fadd"] + p["fmul"]
+    epilogue = 0.05  # the scales after each row's simd_sum, over K = 1536
+    assert float_ops <= 1 + 1 / m + 1 / 16 + epilogue
+    assert float_ops <= 2 + 1 / 16 + epilogue
+    assert p["int_mul"] < 0.05
+
+
+def test_chip_budget_is_alus_times_clock_per_streamed_byte():
+    m1 = next(c for c in kernel_costs.CHIPS if c.name == "M1")
+    # 1024 lanes at 1.278 GHz against 68.25 GB/s: cycles per byte, times bytes per unit.
+    assert m1.budget(0.5) == pytest.approx(1024 * 1.278 * 0.5 / 68.25)
+
+
+def test_bench_kernels_says_which_compiler_is_missing(monkeypatch, capsys):
+    monkeypatch.setattr(counting, "CLANG", "no-such-clang++")
+    assert bench.main(["--kernels"]) == 2
+    assert "no-such-clang++ not found" in capsys.readouterr().out
