@@ -274,9 +274,10 @@ def routed_glu(
     applied before down as in DeepSeek-V4: x [..., 1, M, in] float32 shared by a token's slots,
     indices and weights [..., K] -> [..., K, M, out] float32.
 
-    x is rotated once for gate and up (same in_features and seed), the activation once for
-    down; with an expert store the three stacks' reads share one host sync. At M = 1 on Metal,
-    gate, up, clamp, SiLU, product and route weight are one dispatch (`mxtq_gather_swiglu`)."""
+    x is rotated once for gate and up (when they share in_features and seed, as DeepSeek-V4's
+    do), the activation once for down; with an expert store the three stacks' reads share one
+    host sync. At M = 1 on Metal, gate, up, clamp, SiLU, product and route weight are one
+    dispatch (`mxtq_gather_swiglu`)."""
     stacks = route([gate, up, down], indices)
     xr = gate.rotate(x, use_kernels)
     if (
@@ -294,16 +295,22 @@ def routed_glu(
         )[..., None, :]
     else:
         kernels.record("mxtq_swiglu", "pure")
+        xu = xr if same_rotation(gate, up) else up.rotate(x, use_kernels)
         g = gate.apply_rotated(xr, indices, use_kernels, stacks[0])
-        u = up.apply_rotated(xr, indices, use_kernels, stacks[1])
+        u = up.apply_rotated(xu, indices, use_kernels, stacks[1])
         h = swiglu_clamped(g, u, limit) * weights[..., None, None]
     return down.apply_rotated(down.rotate(h, use_kernels), indices, use_kernels, stacks[2])
 
 
+def same_rotation(a: _MXTQBase, b: _MXTQBase) -> bool:
+    """R depends on in_features and the seed only: such layers can share one rotated x."""
+    return (a.in_features, a._seed) == (b.in_features, b._seed)
+
+
 def fusable(gate: MXTQSwitchLinear, up: MXTQSwitchLinear) -> bool:
-    """Gate and up can share one rotated x and one codebook."""
-    same = ("in_features", "out_features", "bits", "_seed")
-    return all(getattr(gate, a) == getattr(up, a) for a in same)
+    """Gate and up can share one rotated x, one codebook and one launch."""
+    same = ("out_features", "bits")
+    return same_rotation(gate, up) and all(getattr(gate, a) == getattr(up, a) for a in same)
 
 
 def _random_switch(n_in: int, n_out: int, experts: int, bits: int, key) -> MXTQSwitchLinear:
