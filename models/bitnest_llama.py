@@ -15,7 +15,7 @@ from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.rope_utils import initialize_rope
 
 from bitnest_mlx.formats.bitnest import LAYER_LINEARS, PackageSpec, norm_names
-from bitnest_mlx.layers.dual_plane import DualPlaneLinear, project
+from bitnest_mlx.layers.dual_plane import DualPlaneLinear, project, swiglu
 from bitnest_mlx.layers.hadamard import OnlineHadamard
 from bitnest_mlx.layers.nested_kv import NestedKVCache
 from bitnest_mlx.layers.options import RunOptions
@@ -109,8 +109,7 @@ class MLP(nn.Module):
         self.r4 = OnlineHadamard(n, r4["K"], r4.get("fp32", False)) if r4 else None
 
     def __call__(self, x: mx.array, o: RunOptions) -> mx.array:
-        gate, up = project(x, (self.gate_proj, self.up_proj), o)
-        a = nn.silu(gate) * up
+        a = swiglu(x, self.gate_proj, self.up_proj, o)  # silu(x·gateᵀ) · (x·upᵀ)
         if self.r4 is not None:
             a = self.r4(a)
         return self.down_proj(a, o)

@@ -17,7 +17,8 @@ from numpy_reference import a8_codes, dequant, kv_codes, r4_matrix, unpack_codes
 from bitnest_mlx.formats import bitnest
 from bitnest_mlx.formats.bitnest import a8
 from bitnest_mlx.formats.hadamard import hadamard_k, r4_transform
-from bitnest_mlx.layers.dual_plane import DualPlaneLinear
+from bitnest_mlx.layers import plane_stack
+from bitnest_mlx.layers.dual_plane import DualPlaneLinear, project, swiglu
 from bitnest_mlx.layers.hadamard import OnlineHadamard
 from bitnest_mlx.layers.nested_kv import NestedKVCache, nest_dequantize, nest_quantize
 from bitnest_mlx.layers.options import RunOptions
@@ -176,6 +177,65 @@ def test_dual_plane_linear_equals_matmul_with_dequantized_weights(draft, group):
         dense = np.array(layer(mx.array(x), dense_options))
     spy.assert_called_once_with(draft)
     assert np.abs(dense - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def planes_linear(n: int, k: int, seed: int) -> DualPlaneLinear:
+    w = rng(seed).normal(0, 0.1, (n, k)).astype(F32)
+    planes = bitnest.quantize_planes(w, 64)
+    tensors = {"l.hi": mx.array(planes.hi), "l.lo": mx.array(planes.lo)}
+    tensors["l.scales"] = mx.array(planes.scales)
+    layer = DualPlaneLinear(k, n, group_size=64)
+    params = DualPlaneLinear.prepare(tensors, "l", mx.float32)
+    layer.load_weights([(name.removeprefix("l."), a) for name, a in params.items()])
+    mx.eval(layer.parameters())
+    return layer
+
+
+def address(a: mx.array) -> int:
+    return np.asarray(memoryview(a)).__array_interface__["data"][0]
+
+
+def test_stacked_planes_are_the_only_copy_and_the_linears_hold_row_slices_of_it():
+    """q/k/v stacked for one launch: each Linear's hi/lo/scales is a view into the stacked
+    buffer at its row offset (no second copy at rest), with the same values and names."""
+    linears = [planes_linear(n, 128, seed) for n, seed in ((16, 1), (8, 2), (8, 3))]
+    before = [{p: np.array(getattr(lin, p)) for p in plane_stack.PLANES} for lin in linears]
+    x = mx.array(rng(4).normal(0, 1, (2, 128)).astype(F32))
+    want = [lin(x, RunOptions("target", use_kernels=False)) for lin in linears]
+    stack = plane_stack.stacked_planes(linears)
+    row = 0
+    for lin, values in zip(linears, before):
+        for p in plane_stack.PLANES:
+            stacked = getattr(stack, p)
+            offset = row * stacked.shape[1] * stacked.itemsize
+            assert address(getattr(lin, p)) == address(stacked) + offset
+            assert np.array_equal(np.array(getattr(lin, p)), values[p])
+        assert set(lin.parameters()) == {"hi", "lo", "scales", "biases"}
+        row += lin.hi.shape[0]
+    got = [lin(x, RunOptions("target", use_kernels=False)) for lin in linears]
+    assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(got, want))
+    assert plane_stack.stacked_planes(linears) is stack  # cached: built once
+
+
+def test_stack_is_rebuilt_when_a_linear_is_loaded_again():
+    """Calibration loads planes into a Linear by name: the cached stack must not serve stale
+    planes after that."""
+    linears = [planes_linear(8, 128, seed) for seed in (1, 2)]
+    plane_stack.stacked_planes(linears)
+    fresh = planes_linear(8, 128, seed=5)
+    linears[1].load_weights(list(fresh.parameters().items()))
+    stack = plane_stack.stacked_planes(linears)
+    assert np.array_equal(np.array(stack.hi[8:]), np.array(fresh.hi))
+
+
+def test_pure_path_never_stacks_planes():
+    linears = [planes_linear(8, 128, seed) for seed in (1, 2)]
+    hi = [lin.hi for lin in linears]
+    x = mx.array(rng(4).normal(0, 1, (1, 128)).astype(F32))
+    swiglu(x, *linears, RunOptions("target", use_kernels=False))
+    project(x, linears, RunOptions("draft", use_kernels=False))
+    assert all(lin.hi is h for lin, h in zip(linears, hi))
+    assert getattr(linears[0], "_plane_stack", None) is None
 
 
 # ---------------------------------------------------------------------------------------------

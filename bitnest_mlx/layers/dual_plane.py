@@ -9,6 +9,7 @@ import mlx.nn as nn
 
 from .. import kernels
 from ..formats.bitnest.numerics import GROUP_SIZE, WEIGHT_GROUPS, a8, a8_codes, nested
+from . import plane_stack
 from .options import RunOptions
 
 _DEFAULT = RunOptions()
@@ -94,29 +95,72 @@ def project(
     options: RunOptions | None = None,
     a8_group: int = -1,
 ) -> list[mx.array]:
-    """x through Linears that all read it (q/k/v, gate/up): A8 applied once and one
-    kernel-or-pure decision. On the kernel path x is quantized to A8 codes once per call (per
-    token, not per row) and every kernel reads those codes."""
+    """x through Linears that all read it (q/k/v): A8 applied once and one kernel-or-pure
+    decision. On the kernel path x is quantized to A8 codes once per call (per token, not per
+    row) and the Linears' planes, stacked along N (`plane_stack`), are one launch."""
+    return _through(x, linears, options, a8_group, gate_up=False)
+
+
+def swiglu(
+    x: mx.array,
+    gate: DualPlaneLinear,
+    up: DualPlaneLinear,
+    options: RunOptions | None = None,
+) -> mx.array:
+    """silu(x·gateᵀ) · (x·upᵀ), A8 on x once. On the kernel path gate and up are one launch on
+    their stacked planes with the SiLU and the product in its epilogue."""
+    return _through(x, (gate, up), options, -1, gate_up=True)[0]
+
+
+def _through(
+    x: mx.array,
+    linears: Sequence[DualPlaneLinear],
+    options: RunOptions | None,
+    a8_group: int,
+    gate_up: bool,
+) -> list[mx.array]:
+    """The Linears' outputs (gate_up: [silu(gate)·up]) by the kernel or the pure path."""
     o = options or _DEFAULT
     group = a8_group if o.quantize_activations else None
-    if (
+    if not (
         o.use_kernels
         and kernels.use("dual_plane", kernel_self_test)
         and kernels.dual_plane_supported(x, linears[0].hi, linears[0].scales)
     ):
-        path = "kernel"
-        if group is not None and kernels.a8_fusable(group, x.shape[-1]):
-            x_in, a_scale = a8_codes(x, group)
-        else:
-            x_in, a_scale = (x if group is None else a8(x, group)), None
-        ys = [lin._kernel(x_in, a_scale, o.draft).astype(x.dtype) for lin in linears]
-    else:
-        path = "pure"
         x_in = x if group is None else a8(x, group)
         ys = [lin._pure(x_in, o.draft, o.dense_min_rows) for lin in linears]
+        return _finish(linears, ys, "pure", gate_up)
+    if group is not None and kernels.a8_fusable(group, x.shape[-1]):
+        x_in, a_scale = a8_codes(x, group)
+    else:
+        x_in, a_scale = (x if group is None else a8(x, group)), None
+    if not plane_stack.stackable(linears):
+        ys = [lin._kernel(x_in, a_scale, o.draft).astype(x.dtype) for lin in linears]
+        return _finish(linears, ys, "kernel", gate_up)
+    s = plane_stack.stacked_planes(linears)
+    # SiLU·up in the epilogue needs gate and up of one width and no bias between dot and SiLU.
+    fused = gate_up and linears[0].hi.shape == linears[1].hi.shape
+    fused = fused and not any("bias" in lin for lin in linears)
+    y = kernels.dual_plane_matmul(
+        x_in, s.hi, s.lo, s.scales, draft=o.draft, a_scale=a_scale, gate_up=fused
+    ).astype(x.dtype)
+    if fused:
+        for _ in linears:
+            kernels.record("dual_plane", "kernel")
+        return [y]
+    rows = [lin.hi.shape[0] for lin in linears]
+    edges = [sum(rows[: i + 1]) for i in range(len(rows) - 1)]
+    return _finish(linears, mx.split(y, edges, axis=-1), "kernel", gate_up)
+
+
+def _finish(
+    linears: Sequence[DualPlaneLinear], ys: Sequence[mx.array], path: str, gate_up: bool
+) -> list[mx.array]:
+    """Each Linear's bias added to its own output (after the kernel), then silu(gate)·up."""
     for _ in linears:
         kernels.record("dual_plane", path)
-    return [lin._biased(y) for lin, y in zip(linears, ys)]
+    ys = [lin._biased(y) for lin, y in zip(linears, ys)]
+    return [nn.silu(ys[0]) * ys[1]] if gate_up else ys
 
 
 def kernel_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx.array]:
