@@ -111,6 +111,23 @@ def test_dual_plane_per_weight_token_has_no_division_rounding_or_conversion(inde
     assert p["int_mul"] < 0.05
 
 
+@needs_compilers
+@pytest.mark.parametrize("name", ["gate/up draft M=1", "gate/up target M=4"])
+def test_gate_up_epilogue_adds_one_exp_and_one_division_per_output_and_token(name):
+    """[gate; up] in one launch: the per-weight work of a plain projection, plus silu(g)·u once
+    per output and token (an exp and a division per gate row, i.e. 1 / 2K per weight·token)."""
+    case = next(c for c in small_dual_plane_cases() if c.name == name)
+    r = profile.measure(case)
+    p = r["per_unit"]
+    m, k = (1 if "M=1" in name else 4), 1536
+    assert r["launches"] == 1
+    assert p["round"] == p["convert"] == 0
+    assert p["transcendental"] == pytest.approx(1 / (2 * k))
+    assert p["div"] == pytest.approx(1 / (2 * k))
+    float_ops = p["fma"] + p["fadd"] + p["fmul"]
+    assert float_ops <= 1 + 1 / m + 1 / 16 + 0.05
+
+
 def test_chip_budget_is_alus_times_clock_per_streamed_byte():
     m1 = next(c for c in kernel_costs.CHIPS if c.name == "M1")
     # 1024 lanes at 1.278 GHz against 68.25 GB/s: cycles per byte, times bytes per unit.

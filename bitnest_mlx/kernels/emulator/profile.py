@@ -63,7 +63,8 @@ def _planes(n: int, k: int, group: int, seed: int):
 
 
 def dual_plane_cases(n: int = 64, k: int = 3072, group: int = 128) -> list[Case]:
-    """A Llama-3.2-3B-wide projection (K = 3072), A8 per token, draft and target, M = 1 and 4."""
+    """A Llama-3.2-3B-wide projection (K = 3072), A8 per token, draft and target, M = 1 and 4;
+    then gate/up stacked (2n rows) with the SiLU·up epilogue, draft M = 1 and target M = 4."""
     hi, lo, scales = _planes(n, k, group, 0)
     out = []
     for m in (1, 4):
@@ -82,6 +83,24 @@ def dual_plane_cases(n: int = 64, k: int = 3072, group: int = 128) -> list[Case]
                     ),
                 )
             )
+    # The MLP's gate and up stacked ([gate; up], n rows each) in one launch, silu(gate)·up in
+    # the epilogue: the decode and the verification shape of the model's grouped launch.
+    gate_up = [mx.concatenate([a, a]) for a in (hi, lo, scales)]
+    for m, draft in ((1, True), (4, False)):
+        x = mx.random.normal((m, k), key=mx.random.key(m)).astype(mx.float16)
+        plane = 0.5 if draft else 1.0
+        out.append(
+            Case(
+                "dual_plane",
+                f"gate/up {'draft' if draft else 'target'} M={m}",
+                "weight·token",
+                2 * n * k * m,
+                (plane + 2 / group) / m,
+                lambda r, x=x, draft=draft: dual_plane.dual_plane_a8_matmul(
+                    x, *gate_up, draft=draft, gate_up=True, runner=r
+                ),
+            )
+        )
     return out
 
 
