@@ -66,11 +66,8 @@ def reference_sweep(w: np.ndarray, f: Factor, s: np.ndarray) -> np.ndarray:
     return codes.T
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_blocked_sweep_equals_the_column_by_column_sweep(seed):
-    w, h = problem(seed, n=512, k=640)
-    f = Factor(h, 0.01)
-    s = np.abs(w).max(1) / 7
+def rounding(s: np.ndarray):
+    """A RowQuantizer rounding every column of a row to its step s [N]."""
 
     def for_rows(rows):
         step = s[rows]
@@ -81,14 +78,36 @@ def test_blocked_sweep_equals_the_column_by_column_sweep(seed):
 
         return quantize
 
-    np.testing.assert_array_equal(sweep(w, f, 0.01, for_rows)[0], reference_sweep(w, f, s))
+    return for_rows
 
 
-@pytest.mark.parametrize("act_order", [False, True])
-def test_the_sweeps_error_account_equals_the_trace_on_the_undamped_hessian(act_order):
+@pytest.mark.parametrize("seed", [1, 2])
+def test_blocked_sweep_in_float64_equals_the_column_by_column_sweep(seed):
+    w, h = problem(seed, n=512, k=640)
+    f = Factor(h, 0.01, dtype=np.float64)
+    s = np.abs(w).max(1) / 7
+    np.testing.assert_array_equal(sweep(w, f, 0.01, rounding(s))[0], reference_sweep(w, f, s))
+
+
+def test_the_float32_sweep_moves_at_most_a_few_codes_of_the_float64_sweep_by_one_step():
+    w, h = problem(5, n=512, k=1024)
+    s = np.abs(w).max(1) / 7
+    want = reference_sweep(w, Factor(h, 0.01, dtype=np.float64), s)
+    f = Factor(h, 0.01)
+    assert f.u.dtype == np.float32
+    got = sweep(w, f, 0.01, rounding(s))[0]
+    moved = got != want
+    assert np.abs(got.astype(int) - want).max() <= 1 and moved.mean() < 1e-3, moved.mean()
+
+
+@pytest.mark.parametrize(
+    ("act_order", "dtype", "rtol"),
+    [(False, np.float64, 1e-9), (True, np.float64, 1e-9), (True, np.float32, 1e-5)],
+)
+def test_the_sweeps_error_account_equals_the_trace_on_the_undamped_hessian(act_order, dtype, rtol):
     w, h = problem(4, n=150, k=256)
     h[7], h[:, 7] = 0, 0  # a dead input: zero in every calibration row
-    f = Factor(h, 0.05, act_order)
+    f = Factor(h, 0.05, act_order, dtype)
     scales = bitnest.weight_scales(w)
 
     def for_rows(rows):
@@ -106,7 +125,7 @@ def test_the_sweeps_error_account_equals_the_trace_on_the_undamped_hessian(act_o
     s = np.repeat(scales.astype(np.float64), 128, axis=1)
     for i, step in enumerate((s, s / 16)):
         e = w - codes[i] * step
-        np.testing.assert_allclose(errors[i], np.sum((e @ h) * e), rtol=1e-9)
+        np.testing.assert_allclose(errors[i], np.sum((e @ h) * e), rtol=rtol)
 
 
 def test_output_errors_equal_the_dense_trace():

@@ -37,6 +37,9 @@ from .sweep import ColumnQuantizer, Factor, column_scales, row_chunks, sweep
 
 W8_BUDGET = 1.0  # the target's output error may reach W8-RTN's, no more
 LAMBDA_START = 8.0  # the first λ tried by the budget search
+LAMBDA_RANGE = (LAMBDA_START / 16, LAMBDA_START * 16)
+GROWTH = (0.25, 1.5)  # bounds on the fitted exponent of the target error's growth with λ
+SAMPLE_ROWS = 256  # rows whose trial sweeps choose λ for a wide weight
 SCALE_GRID = (0.85, 0.9, 0.95, 1.0, 7.4375 / 7)  # 7.4375/7: W4's top level at the max
 CANDIDATE_STEPS = 3  # hi codes tried between the target's own nibble and the draft's rounding
 # The scale search's ~20 elementwise passes run fastest on chunks whose temporaries stay in
@@ -178,19 +181,26 @@ def _quadratic_rows(e: np.ndarray, h: np.ndarray) -> np.ndarray:
     return out
 
 
-def _errors_by_rows(
-    w: np.ndarray, h: np.ndarray, planes_of: Callable[[slice], Planes]
-) -> dict[int, float]:
-    """`output_errors` over chunks of rows, with the planes of each chunk from `planes_of`."""
+def _row_errors(w: np.ndarray, h: np.ndarray, planes_of: Callable[[slice], Planes]) -> np.ndarray:
+    """Each row's draft and target output errors [2, N] (float64), over chunks of rows with the
+    planes of each chunk from `planes_of`."""
     h32 = h.astype(np.float32)
     n, k = w.shape
-    sums = np.zeros(2)
+    out = np.empty((2, n))
     for rows in row_chunks(n, BYTES_PER_WEIGHT * k):
         p = planes_of(rows)
         e = np.concatenate(
             [w[rows] - dequantize_planes(p.hi, p.lo, p.scales, draft) for draft in (True, False)]
         ).astype(np.float32)
-        sums += _quadratic_rows(e, h32).reshape(2, -1).sum(1)
+        out[:, rows] = _quadratic_rows(e, h32).reshape(2, -1)
+    return out
+
+
+def _errors_by_rows(
+    w: np.ndarray, h: np.ndarray, planes_of: Callable[[slice], Planes]
+) -> dict[int, float]:
+    """`output_errors` over chunks of rows, with the planes of each chunk from `planes_of`."""
+    sums = _row_errors(w, h, planes_of).sum(1)
     return {4: float(sums[0]), 8: float(sums[1])}
 
 
@@ -231,28 +241,57 @@ def budgeted_joint_planes(
 ) -> tuple[Planes, float, dict[str, float]]:
     """Joint planes for the λ whose target output error just fits `w8_budget` x W8-RTN's on
     this Hessian: the target keeps the accuracy of 8-bit rounding to nearest, and the draft gets
-    everything the format leaves.
+    everything the format leaves. Returns the planes, their λ and `output_errors_vs_rtn`.
 
-    Two sweeps: λ = LAMBDA_START, then the λ predicted to land at 95 % of the budget if the
-    target's error grew in proportion to λ (it grows more slowly, λ^0.5 … λ^0.95 on the test
-    problems and real layers, so the guess errs on the safe side). Of the two, the lowest draft
-    error within budget wins; if neither fits, the lower target error. Returns the planes,
-    their λ and `output_errors_vs_rtn`. Only the winner's planes are built."""
+    λ is found on a sample of rows (`SAMPLE_ROWS`, every n/SAMPLE_ROWS-th: rows are swept
+    independently and the budget is a ratio of sums over rows), then the whole weight is
+    swept once at it: two trial sweeps, λ = LAMBDA_START and the λ that would land at 95 % of
+    the budget if the target's error grew in proportion to λ, fix the exponent of its growth
+    (λ^0.5 … λ^0.95 on the test problems and real layers), which predicts the λ landing at
+    95 %. If the whole weight misses the budget there, one more sweep at the λ the exponent
+    predicts from it. Weights of fewer than 2·SAMPLE_ROWS rows run the two trials on every
+    row and keep the better (`_best`)."""
     f = h if isinstance(h, Factor) else Factor(h, damp)
-    rtn = rtn_errors(w, f.h, group_size)  # once for both attempts
+    n = len(w)
+    rtn = _row_errors(w, f.h, lambda rows: planes_from_codes(w[rows], group_size=group_size))
 
-    def attempt(lam: float) -> tuple[tuple, float, dict[str, float]]:
+    def attempt(lam: float, rows: slice) -> tuple[tuple, float, dict[str, float]]:
         errors = np.zeros(2)  # from the sweep itself: no [N, K] x [K, K] product
-        q4, qr, scales = _joint_codes(w, f, lam, damp, group_size, errors)
-        return (q4, scales, qr), lam, _vs_rtn({4: errors[0], 8: errors[1]}, rtn)
+        q4, qr, scales = _joint_codes(w[rows], f, lam, damp, group_size, errors)
+        r = rtn[:, rows].sum(1)
+        return (q4, scales, qr), lam, _vs_rtn({4: errors[0], 8: errors[1]}, {4: r[0], 8: r[1]})
 
-    first = attempt(LAMBDA_START)
-    ratio = 0.95 * w8_budget / max(first[2]["w8_hessian_err_vs_rtn"], 1e-12)
-    second = attempt(LAMBDA_START * float(np.clip(ratio, 1 / 16, 16)))
-    fits = [t for t in (first, second) if t[2]["w8_hessian_err_vs_rtn"] <= w8_budget]
-    if fits:
-        best = min(fits, key=lambda t: t[2]["w4_hessian_err_vs_rtn"])
-    else:
-        best = min((first, second), key=lambda t: t[2]["w8_hessian_err_vs_rtn"])
-    codes, lam, errors = best
+    def w8(t: tuple) -> float:
+        return max(t[2]["w8_hessian_err_vs_rtn"], 1e-12)
+
+    step = n // SAMPLE_ROWS
+    rows = slice(0, n, step) if step >= 2 else slice(0, n)
+    first = attempt(LAMBDA_START, rows)
+    lam = LAMBDA_START * float(np.clip(0.95 * w8_budget / w8(first), 1 / 16, 16))
+    second = attempt(lam, rows)
+    if step < 2:
+        codes, lam, errors = _best((first, second), w8_budget)
+        return planes_from_codes(w, *codes), lam, errors
+    growth = 1.0
+    if lam != LAMBDA_START and w8(second) != w8(first):
+        growth = float(
+            np.clip(np.log(w8(second) / w8(first)) / np.log(lam / LAMBDA_START), *GROWTH)
+        )
+
+    def aim(t: tuple) -> float:
+        return float(np.clip(t[1] * (0.95 * w8_budget / w8(t)) ** (1 / growth), *LAMBDA_RANGE))
+
+    tries = [attempt(aim(second), slice(0, n))]
+    if w8(tries[0]) > w8_budget:
+        tries.append(attempt(aim(tries[0]), slice(0, n)))
+    codes, lam, errors = _best(tries, w8_budget)
     return planes_from_codes(w, *codes), lam, errors
+
+
+def _best(tries, w8_budget: float) -> tuple:
+    """Of (codes, λ, errors vs RTN) tries, the lowest draft error within the budget; if none
+    fits, the lowest target error."""
+    fits = [t for t in tries if t[2]["w8_hessian_err_vs_rtn"] <= w8_budget]
+    if fits:
+        return min(fits, key=lambda t: t[2]["w4_hessian_err_vs_rtn"])
+    return min(tries, key=lambda t: t[2]["w8_hessian_err_vs_rtn"])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import mlx.core as mx
 import numpy as np
 
 # quantize(targets [P, R], column) -> (codes [C, R], dequantized [P, R]) (arrays; [R] for C, P = 1),
@@ -14,10 +13,11 @@ ColumnQuantizer = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
 RowQuantizer = Callable[[slice], ColumnQuantizer]
 
 # Rows are independent given the Hessian factor, so the sweep runs over chunks of output rows
-# whose float64 state [P, K, rows] stays within this many bytes.
+# whose state (the Factor's dtype) [P, K, rows] stays within this many bytes.
 CHUNK_BYTES = 256 * 2**20
 BLOCK = 128  # columns that receive the errors of all earlier columns through one GEMM
 SUB_BLOCK = 16  # columns that receive those of their block's earlier columns through one GEMM
+TRI_LEAF = 256  # order below which a triangular inverse is one LAPACK call
 
 
 def hessian(x: np.ndarray) -> np.ndarray:
@@ -28,30 +28,48 @@ def hessian(x: np.ndarray) -> np.ndarray:
 
 class Factor:
     """A Hessian prepared for sweeps: its column order and the damped H⁻¹'s upper Cholesky
-    factor. q/k/v (and gate/up) share one Hessian, so the converter prepares it once."""
+    factor. q/k/v (and gate/up) share one Hessian, so the converter prepares it once.
 
-    def __init__(self, h: np.ndarray, damp: float, act_order: bool = False):
+    `dtype` is the sweep's arithmetic: float32 by default, as GPTQ's reference implementation
+    sweeps; float64 gives the textbook sweep's codes exactly (the tests' reference). The
+    Hessian itself and the error accounts stay float64."""
+
+    def __init__(
+        self, h: np.ndarray, damp: float, act_order: bool = False, dtype: type = np.float32
+    ):
         h = h.astype(np.float64)
         self.h = h
         self.dead = np.diag(h) == 0  # inputs that are always zero: their weights cannot matter
-        h = h.copy()
-        h[self.dead, self.dead] = 1
         self.order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(len(h))
-        h = h[self.order][:, self.order]
+        # A gather of columns is slow on a large matrix: only act-order pays for one.
+        h = h[np.ix_(self.order, self.order)] if act_order else h.copy()
+        dead = self.dead[self.order]
+        h[dead, dead] = 1
         self.damping = damp * np.mean(np.diag(h))  # added to the diagonal; see `sweep` errors
         h[np.diag_indices_from(h)] += self.damping
-        self.u = inverse_upper_cholesky(h)
+        self.u = inverse_upper_cholesky(h, dtype)
 
 
-def inverse_upper_cholesky(h: np.ndarray) -> np.ndarray:
-    """U upper triangular with UᵀU = h⁻¹ (h SPD, float64), without forming h⁻¹: with P the
-    reversal, P h P = L Lᵀ gives h⁻¹ = (P L⁻ᵀ P)(P L⁻¹ P), so U = P L⁻¹ P. One Cholesky and one
-    triangular inverse (n³/3 each) in MLX's LAPACK, which is the system's (OpenBLAS, Accelerate)
-    where numpy's bundled one took 4x longer on a 4096² Hessian here (14.6 s, 3.6 s)."""
-    p = np.arange(len(h))[::-1]
-    lower = mx.linalg.cholesky(mx.array(h[p][:, p], dtype=mx.float64), stream=mx.cpu)
-    inv = mx.linalg.tri_inv(lower, upper=False, stream=mx.cpu)
-    return np.array(inv, dtype=np.float64)[p][:, p]
+def inverse_upper_cholesky(h: np.ndarray, dtype: type = np.float64) -> np.ndarray:
+    """U upper triangular with UᵀU = h⁻¹ (h SPD) in `dtype`, without forming h⁻¹: with P the
+    reversal, P h P = L Lᵀ gives h⁻¹ = (P L⁻ᵀ P)(P L⁻¹ P), so U = P L⁻¹ P. One Cholesky in
+    float64 (numpy's float32 one is slower here) and one triangular inverse in `dtype`."""
+    lower = np.linalg.cholesky(np.ascontiguousarray(h[::-1, ::-1], dtype=np.float64))
+    return np.ascontiguousarray(_lower_inverse(lower.astype(dtype))[::-1, ::-1])
+
+
+def _lower_inverse(lower: np.ndarray) -> np.ndarray:
+    """L⁻¹ of a lower-triangular L by halves, [[A, 0], [C, D]]⁻¹ = [[A⁻¹, 0], [-D⁻¹CA⁻¹, D⁻¹]]:
+    the work is in two GEMMs per level (numpy has no trtri; its LU inverse does 6x the flops)."""
+    n = len(lower)
+    if n <= TRI_LEAF:
+        return np.tril(np.linalg.inv(lower))
+    m = n // 2
+    a, d = _lower_inverse(lower[:m, :m]), _lower_inverse(lower[m:, m:])
+    out = np.zeros_like(lower)
+    out[:m, :m], out[m:, m:] = a, d
+    out[m:, :m] = -(d @ (lower[m:, :m] @ a))
+    return out
 
 
 def row_chunks(n: int, bytes_per_row: int, limit: int | None = None) -> list[slice]:
@@ -61,9 +79,10 @@ def row_chunks(n: int, bytes_per_row: int, limit: int | None = None) -> list[sli
     return [slice(r, min(r + rows, n)) for r in range(0, n, rows)]
 
 
-def column_scales(scales: np.ndarray, rows: slice) -> np.ndarray:
-    """The scales [N, K/g] of a chunk of rows as float64 [K/g, R]: column j's are row j // g."""
-    return np.ascontiguousarray(scales[rows].T, dtype=np.float64)
+def column_scales(scales: np.ndarray, rows: slice, dtype: type = np.float32) -> np.ndarray:
+    """The scales [N, K/g] of a chunk of rows as [K/g, R] (fp16 scales are exact in float32):
+    column j's are row j // g."""
+    return np.ascontiguousarray(scales[rows].T, dtype=dtype)
 
 
 def sweep(
@@ -97,7 +116,7 @@ def sweep(
     # The chunk's state: the copies, and the weight itself when errors are accounted.
     copies = targets + (errors is not None)
     out: np.ndarray | None = None
-    for rows in row_chunks(n, copies * k * 8, chunk_bytes):
+    for rows in row_chunks(n, copies * k * f.u.itemsize, chunk_bytes):
         codes = _sweep_rows(w[rows], f, quantize(rows), targets, errors)
         if out is None:
             out = np.empty((len(codes), n, k), dtype=np.int8)
@@ -120,11 +139,11 @@ def _sweep_rows(
     are gathered late and in bulk (left-looking): a block of columns receives the errors of
     all earlier blocks in one GEMM, a sub-block those of its block's earlier sub-blocks, and a
     column those of its sub-block's earlier columns (a GEMV). Each output is small, so the
-    state is read, not rewritten, once per block. The state is float64, as the plain
-    column-by-column sweep's: the codes equal its codes."""
+    state is read, not rewritten, once per block. The state has the Factor's dtype; in float64
+    the codes equal the plain column-by-column sweep's."""
     u, order = f.u, f.order
     # [K, R] in sweep order: transposed, so each column is a contiguous row.
-    w0 = w.T[order].astype(np.float64)
+    w0 = w.T[order].astype(u.dtype)
     w0[f.dead[order]] = 0
     # [P, K, R], one copy per target (w0 itself when nothing else needs it)
     wt = w0[None] if targets == 1 and errors is None else np.repeat(w0[None], targets, axis=0)
