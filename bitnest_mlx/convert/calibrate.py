@@ -37,6 +37,7 @@ SHARED_INPUT = {
     "mlp.up_proj": "mlp.gate_proj",
 }
 CHUNK_TOKENS = 4096
+LAST_LINEAR = "mlp.down_proj"  # its product only feeds the layer's output
 
 _FLOAT = RunOptions(mode="target", quantize_kv=False, use_kernels=False)
 # The draft's reading; dense_min_rows=1: a dense matmul on the dequantized planes (MLX's CPU
@@ -62,23 +63,28 @@ class HessianSum:
 
 class FloatLinear(DualPlaneLinear):
     """A float weight in a DualPlaneLinear's place: `project` (A8, bias) treats it as a Linear
-    on the pure path, and `_pure` sees the input exactly as the planes would."""
+    on the pure path, and `_pure` sees the input exactly as the planes would. With
+    `output=False` only the input is recorded and the product is zeros: the Hessian pass does
+    not need the layer's last product (a quarter of a Llama layer's flops)."""
 
     def __init__(
         self,
         weight: np.ndarray,
         bias: np.ndarray | None,
         record: Callable[[mx.array], None] | None = None,
+        output: bool = True,
     ):
         nn.Module.__init__(self)
         self.weight = mx.array(np.asarray(weight, np.float32))
         if bias is not None:
             self.bias = mx.array(np.asarray(bias, np.float32))
-        self._record = record
+        self._record, self._output = record, output
 
     def _pure(self, x: mx.array, draft: bool, dense_min_rows: int = 0) -> mx.array:
         if self._record is not None:
             self._record(x)
+        if not self._output:
+            return mx.zeros((*x.shape[:-1], self.weight.shape[0]), dtype=x.dtype)
         return x @ self.weight.T
 
 
@@ -149,7 +155,9 @@ class Calibration:
             for name in LAYER_LINEARS
             if name not in SHARED_INPUT
         }
-        block = self._float_block(layer, weights, {n: s.add for n, s in sums.items()})
+        block = self._float_block(
+            layer, weights, {n: s.add for n, s in sums.items()}, skip=LAST_LINEAR
+        )
         self._run(block, _FLOAT, update=False)
         return {name: sums[SHARED_INPUT.get(name, name)].value() for name in LAYER_LINEARS}
 
@@ -158,12 +166,18 @@ class Calibration:
         layer: int,
         weights: Mapping[str, np.ndarray],
         records: Mapping[str, Callable[[mx.array], None]],
+        skip: str | None = None,
     ) -> nn.Module:
+        """Layer `layer` with float Linears; `skip` names one whose product is not computed
+        (its input is still recorded)."""
         block = _block(self.spec, layer)
         self._fixed_parts(block, layer)
         for name in LAYER_LINEARS:
             linear = FloatLinear(
-                weights[f"{name}.weight"], weights.get(f"{name}.bias"), records.get(name)
+                weights[f"{name}.weight"],
+                weights.get(f"{name}.bias"),
+                records.get(name),
+                output=name != skip,
             )
             _set_linear(block, name, linear)
         return block
