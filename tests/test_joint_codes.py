@@ -57,6 +57,30 @@ def test_joint_codes_lower_the_draft_error_below_rtn_and_keep_w8_within_10_perce
     assert j8 <= 1.10 * r8
 
 
+@pytest.mark.parametrize("budget", [1.0, 0.9])
+def test_lambda_found_on_a_row_sample_lands_the_whole_weight_within_its_w8_budget(budget):
+    """A weight of 1024 rows: λ comes from two trial sweeps of 256 sampled rows; the one sweep
+    of the whole weight fits the budget on the dense trace, close to its 95 % aim, and its
+    draft beats the trials' fixed λ = 8 where the budget leaves room."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((4096, 256)) @ rng.standard_normal((256, 256))) * rng.uniform(
+        0.1, 3, 256
+    )
+    w, h = rng.standard_normal((1024, 256)), hessian(x)
+    planes, lam, errors = budgeted_joint_planes(w, h, budget)
+    (j4, j8), (r4, r8) = (
+        output_errors(w, planes, h),
+        output_errors(w, bitnest.planes_from_codes(w), h),
+    )
+    assert 0.85 * budget <= j8 / r8 <= budget
+    assert errors["w8_hessian_err_vs_rtn"] == pytest.approx(j8 / r8, rel=1e-4)
+    assert errors["w4_hessian_err_vs_rtn"] == pytest.approx(j4 / r4, rel=1e-4)
+    q4, qr, scales = joint_codes(w, h, 8.0)
+    fixed = bitnest.planes_from_codes(w, q4, scales, qr)
+    if lam > 8.0:
+        assert j4 < output_errors(w, fixed, h)[0]
+
+
 def test_lambda_draft_trades_the_target_error_for_the_draft_error():
     x, w = calibration_problem(2)
     h = hessian(x)

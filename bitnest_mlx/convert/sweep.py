@@ -14,7 +14,7 @@ RowQuantizer = Callable[[slice], ColumnQuantizer]
 
 # Rows are independent given the Hessian factor, so the sweep runs over chunks of output rows
 # whose state (the Factor's dtype) [P, K, rows] stays within this many bytes.
-CHUNK_BYTES = 256 * 2**20
+CHUNK_BYTES = 512 * 2**20
 BLOCK = 128  # columns that receive the errors of all earlier columns through one GEMM
 SUB_BLOCK = 16  # columns that receive those of their block's earlier columns through one GEMM
 TRI_LEAF = 256  # order below which a triangular inverse is one LAPACK call
