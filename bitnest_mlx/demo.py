@@ -219,7 +219,7 @@ def write_demo_bundle(path: str | Path, seed: int = 0) -> Path:
         path, config, random_weights(config, seed), expert_bits=DEMO_BITS
     )
     write_demo_tokenizer(path, config["vocab_size"])
-    return path
+    return dsv4_bundle_write.seal(path)  # record the tokenizer files' bytes too
 
 
 # DeepSeek's special tokens; the real bundles ship their own tokenizer and template.

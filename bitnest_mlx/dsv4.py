@@ -8,14 +8,13 @@ tensors that rank holds. The tiny demo bundle and random weights are in demo.py.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .formats import dsv4_bundle
+from .formats import dsv4_bundle, safetensors_io
 from .formats.dsv4_bundle import BundleError
 from .layers import expert_store
 from .layers.expert_store import ExpertStore
@@ -130,7 +129,7 @@ def bundle_tokenizer(path: str | Path, config: dict | None = None):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     if config is None:
-        config = json.loads((path / "config.json").read_text())
+        config = safetensors_io.read_json(path / "config.json", BundleError)
     eos = config.get("eos_token_id")
     eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else None
     return load_tokenizer(path, eos_token_ids=eos)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 
-from .formats import detect
+from .formats import bitnest, checksums, detect, dsv4_bundle, safetensors_io
 from .formats.bitnest import TOKENIZER_FILES
 
 # What each format needs from a repo (huggingface_hub allow_patterns).
@@ -56,6 +57,7 @@ def resolve(path_or_repo: str | Path) -> Path:
     if text.startswith((".", "/", "~")) or not _REPO_ID.match(repo):
         raise ModelNotFound(f"{text}: no such directory (and not a Hub id of the form org/repo)")
     where = f"{repo}@{revision}" if revision else repo
+    started = time.time()
     snapshot = _download(repo, revision, _PROBE, where)
     fmt = detect(snapshot)
     if fmt is None:
@@ -63,7 +65,27 @@ def resolve(path_or_repo: str | Path) -> Path:
             f"{where}: neither a bitnest package (no bitnest.json) nor a DeepSeek-V4 bundle "
             "(config.json model_type is not deepseek_v4)"
         )
-    return _download(repo, revision, PATTERNS[fmt], where)
+    snapshot = _download(repo, revision, PATTERNS[fmt], where)
+    verify_downloaded(snapshot, fmt, started)
+    return snapshot
+
+
+def verify_downloaded(snapshot: Path, fmt: str, since: float) -> None:
+    """Hash the files of `snapshot` fetched at or after `since` (their cache blobs are that
+    new) against the checksums the model records (formats/checksums.py), so a file that
+    differs from what its writer wrote is refused once, when it arrives; files already in the
+    cache were checked when they came, and loading them again reads no data."""
+    if fmt == "bitnest":
+        doc_file, key = bitnest.find_manifest(snapshot), bitnest.CHECKSUMS_KEY
+    else:
+        doc_file, key = snapshot / "config.json", dsv4_bundle.CHECKSUMS_KEY
+    doc = safetensors_io.read_json(doc_file, HubError)
+    if key not in doc:
+        return  # written without checksums: nothing to compare with
+    block = checksums.check_block(doc, doc_file, key, HubError)
+    # A second of slack: some file systems keep mtimes in whole seconds.
+    fresh = [f.name for f in snapshot.iterdir() if f.is_file() and f.stat().st_mtime >= since - 1]
+    checksums.verify_files(block, doc_file, HubError, only=fresh)
 
 
 def _download(repo: str, revision: str | None, patterns: list[str], where: str) -> Path:

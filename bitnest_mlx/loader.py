@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .formats import bitnest, detect, dsv4_bundle
+from .formats import bitnest, detect, dsv4_bundle, safetensors_io
 from .hub import HubError, resolve
 from .layers.options import RunOptions
 from .layers.pipeline import PipelineError
@@ -37,6 +37,9 @@ LOAD_ERRORS = (
     PipelineError,
     ExpertBudgetError,
 )
+
+
+_ERRORS = {"bitnest": bitnest.PackageError, "dsv4": dsv4_bundle.BundleError}
 
 
 def has_tokenizer(path: str | Path) -> bool:
@@ -74,13 +77,31 @@ def _bitnest_model(path: Path, dtype: mx.Dtype | None) -> nn.Module:
     return model
 
 
+def checked_tokenizer(path: Path, error: type[Exception], load: Callable, *args, **kwargs):
+    """`load(path, *args, **kwargs)` (mlx-lm's tokenizer loading) after our check of the
+    tokenizer files (formats.safetensors_io.check_tokenizer_files); whatever transformers still
+    raises becomes `error`, one line naming the directory."""
+    safetensors_io.check_tokenizer_files(Path(path), error)
+    try:
+        return load(path, *args, **kwargs)
+    except error:
+        raise
+    except Exception as e:  # tokenizers/transformers raise their own types with their wording
+        raise error(
+            f"{path}: the tokenizer files could not be loaded ({type(e).__name__}: {e})"
+        ) from e
+
+
 def _bitnest_tokenizer(path: Path):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     if not has_tokenizer(path):
         warnings.warn(f"{path}: no tokenizer files; returning tokenizer None", stacklevel=3)
         return None
-    return load_tokenizer(path, tokenizer_config_extra={"config": tokenizer_config()})
+    extra = {"config": tokenizer_config()}
+    return checked_tokenizer(
+        path, bitnest.PackageError, load_tokenizer, tokenizer_config_extra=extra
+    )
 
 
 def _dsv4_class() -> type[nn.Module]:
@@ -117,7 +138,17 @@ def _dsv4_stage(path: Path, dtype: mx.Dtype | None, group: mx.distributed.Group)
 def _dsv4_tokenizer(path: Path):
     from . import dsv4
 
-    return dsv4.bundle_tokenizer(path)
+    return checked_tokenizer(path, dsv4_bundle.BundleError, dsv4.bundle_tokenizer)
+
+
+def _bitnest_verify(path: Path) -> Path | None:
+    manifest = bitnest.read(path, verify=True).manifest
+    return bitnest.find_manifest(path) if bitnest.CHECKSUMS_KEY in manifest else None
+
+
+def _dsv4_verify(path: Path) -> Path | None:
+    config = dsv4_bundle.read(path, verify=True).config
+    return path / "config.json" if dsv4_bundle.CHECKSUMS_KEY in config else None
 
 
 @dataclass(frozen=True)
@@ -130,20 +161,35 @@ class ModelFormat:
     load_stage: Callable[[Path, mx.Dtype | None, mx.distributed.Group], nn.Module] | None = None
     # With routed experts on disk and an LRU of that many GB (None: no routed experts).
     load_budgeted: Callable[[Path, mx.Dtype | None, float], nn.Module] | None = None
+    # Every rule plus the data against the recorded checksums; returns the file recording them
+    # (None: the model has none, so only its structure could be checked).
+    verify: Callable[[Path], Path | None] | None = None
 
 
 FORMATS = {
-    "bitnest": ModelFormat("bitnest", _bitnest_class, _bitnest_model, _bitnest_tokenizer),
+    "bitnest": ModelFormat(
+        "bitnest", _bitnest_class, _bitnest_model, _bitnest_tokenizer, verify=_bitnest_verify
+    ),
     "dsv4": ModelFormat(
-        "dsv4", _dsv4_class, _dsv4_model, _dsv4_tokenizer, _dsv4_stage, _dsv4_budgeted
+        "dsv4",
+        _dsv4_class,
+        _dsv4_model,
+        _dsv4_tokenizer,
+        _dsv4_stage,
+        _dsv4_budgeted,
+        _dsv4_verify,
     ),
 }
 
 
 def model_format(path: str | Path) -> ModelFormat:
     """The format of a local directory. Unrecognised directories go to the bitnest reader, whose
-    error names what a package needs (a manifest)."""
-    return FORMATS[detect(path) or "bitnest"]
+    error names what a package needs (a manifest), unless config.json, which would say what the
+    directory is, is unreadable: then that is the error."""
+    found = detect(path)
+    if found is None and (Path(path) / "config.json").is_file():
+        safetensors_io.read_json(Path(path) / "config.json", bitnest.PackageError)
+    return FORMATS[found or "bitnest"]
 
 
 def supports_draft(path: str | Path) -> bool:
@@ -151,9 +197,23 @@ def supports_draft(path: str | Path) -> bool:
     return model_format(path).model_class().supports_draft
 
 
-def load_model(path: str | Path, dtype: mx.Dtype | None = None) -> nn.Module:
-    """The model of a local package or bundle (no tokenizer)."""
-    return model_format(path).load_model(Path(path), dtype)
+def verify_path(path: str | Path) -> Path | None:
+    """Check a local package or bundle against its recorded checksums (after every structural
+    rule and the tokenizer files): raises one of LOAD_ERRORS naming the first file that differs;
+    returns the file recording the checksums, or None when the model records none."""
+    fmt = model_format(path)
+    found = fmt.verify(Path(path))
+    safetensors_io.check_tokenizer_files(Path(path), _ERRORS[fmt.name])
+    return found
+
+
+def load_model(path: str | Path, dtype: mx.Dtype | None = None, verify: bool = False) -> nn.Module:
+    """The model of a local package or bundle (no tokenizer); `verify`: check its checksums
+    first (`verify_path`)."""
+    fmt = model_format(path)
+    if verify:
+        fmt.verify(Path(path))
+    return fmt.load_model(Path(path), dtype)
 
 
 def load(
@@ -163,6 +223,7 @@ def load(
     options: RunOptions | None = None,
     pipeline: mx.distributed.Group | None = None,
     max_expert_memory: float | None = None,
+    verify: bool = False,
 ) -> tuple[nn.Module, object]:
     """Load a bitnest package or a DeepSeek-V4 MXTQ bundle (local directory or Hub
     `org/repo[@revision]`).
@@ -179,9 +240,15 @@ def load(
     `max_expert_memory`: GB of routed-expert codes to keep resident (DeepSeek-V4 bundles); the
     rest stay on disk and the most recently used are cached (`model.expert_store`). Logits are
     the same as without a budget.
+
+    `verify`: hash every file against the checksums the writer recorded first and refuse the
+    first that differs (`verify_path`); without it no tensor data is read to load (a Hub download
+    verifies the files it has just fetched either way).
     """
     path = resolve(path_or_repo)
     fmt = model_format(path)
+    if verify:
+        verify_path(path)
     if max_expert_memory is not None:
         if fmt.load_budgeted is None or pipeline is not None:
             what = "a pipeline" if pipeline is not None else f"a {fmt.name} model"

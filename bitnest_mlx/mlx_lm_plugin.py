@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 import sys
 import weakref
 from importlib.abc import Loader
@@ -38,6 +37,7 @@ from pathlib import Path
 from types import ModuleType
 
 from .formats import detect
+from .formats.safetensors_io import read_json
 from .mlx_lm_speculation import (  # noqa: F401  (DraftView, as_bitnest_sampler: public here)
     DRAFT_SUFFIX,
     DraftView,
@@ -171,10 +171,10 @@ def _local_format(path) -> str | None:
     found = detect(path)
     if found is None:
         try:
-            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            config = read_json(path / "config.json", ValueError)
+        except ValueError:  # not ours to judge: mlx-lm's own loader names the problem
             return None
-        if isinstance(config, dict) and config.get("model_type") == "bitnest":
+        if config.get("model_type") == "bitnest":
             return "bitnest"
     return found
 
@@ -231,7 +231,12 @@ def patch_utils(utils: ModuleType) -> None:
         if fmt is not None:
             # transformers cannot parse these config.json files (unknown model_type, llama3
             # rope scaling); an empty config stops AutoTokenizer from reading it.
-            from .loader import TOKENIZER_DEFINING, has_tokenizer, tokenizer_config
+            from .loader import (
+                TOKENIZER_DEFINING,
+                checked_tokenizer,
+                has_tokenizer,
+                tokenizer_config,
+            )
 
             if not has_tokenizer(model_path):
                 raise _format_error(fmt)(
@@ -243,6 +248,14 @@ def patch_utils(utils: ModuleType) -> None:
                 "config": tokenizer_config(),
                 **(tokenizer_config_extra or {}),
             }
+            return checked_tokenizer(
+                model_path,
+                _format_error(fmt),
+                orig_load_tokenizer,
+                tokenizer_config_extra,
+                *args,
+                **kwargs,
+            )
         return orig_load_tokenizer(model_path, tokenizer_config_extra, *args, **kwargs)
 
     @_mark

@@ -35,6 +35,7 @@ RANKS = {
     "eval": 5,
     "bench": 5,
     "server": 5,
+    "verify": 5,
     "__main__": 5,
     "__init__": 5,  # the lazy public API
 }

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from hub_server import FakeHub  # noqa: E402
 
 from bitnest_mlx.demo import demo_path, write_demo_bundle, write_tokenizer  # noqa: E402
+from bitnest_mlx.formats import bitnest, dsv4_bundle_write  # noqa: E402
 from bitnest_mlx.hub import HubError, resolve  # noqa: E402
 
 
@@ -34,6 +35,14 @@ def hub(tmp_path_factory):
     repos = {"org/pkg": pkg, "org/gated": pkg, "org/neither": neither}
     repos["org/dsv4"] = write_demo_bundle(root / "dsv4")
     write_tokenizer(repos["org/dsv4"])
+    dsv4_bundle_write.seal(repos["org/dsv4"])  # a deliberate edit: record the new tokenizer
+    # The demo package sealed (every file's sha256 recorded), then one bit of its weights flipped.
+    flipped = shutil.copytree(demo_path(), root / "flipped")
+    bitnest.seal(flipped)
+    weights = bytearray((flipped / "model.safetensors").read_bytes())
+    weights[-1] ^= 1
+    (flipped / "model.safetensors").write_bytes(bytes(weights))
+    repos["org/flipped"] = flipped
     server = FakeHub(repos, gated={"org/gated"})
     yield server
     server.close()
@@ -99,6 +108,14 @@ def test_dsv4_repo_downloads_bundle(hub, env):
     assert any(n.endswith(".safetensors") for n in names)
     model, tokenizer = load(path)
     assert tokenizer is not None
+
+
+def test_a_download_that_differs_from_its_recorded_sha256_is_refused_naming_the_file(hub, env):
+    with pytest.raises(HubError) as e:
+        resolve("org/flipped")
+    line = str(e.value)
+    assert "model.safetensors: sha256" in line and "bitnest.json records" in line
+    assert "\n" not in line
 
 
 def test_interrupted_download_is_never_used_and_resumes(hub, env, monkeypatch):

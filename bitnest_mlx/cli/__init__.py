@@ -7,4 +7,5 @@ COMMANDS = {
     "eval": "perplexity, bits/byte and draft/target agreement on a text file",
     "bench": "draft, target and speculative tok/s beside mlx-lm on the same backend",
     "server": "mlx-lm's OpenAI-compatible server with self-speculation",
+    "verify": "check a package or bundle against the sha256 checksums its writer recorded",
 }

@@ -108,6 +108,16 @@ def draft_kv(text: str) -> int | str:
 draft_kv.__name__ = "str"
 
 
+def add_verify(p: argparse.ArgumentParser) -> None:
+    """The --verify flag, the same on every command that loads a model."""
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="before loading, hash every file against the sha256 checksums its writer recorded "
+        "and refuse the first that differs (as bitnest-verify; reads all the data once)",
+    )
+
+
 def add_draft_kv(p: argparse.ArgumentParser) -> None:
     """The --draft-kv flag, the same on every command that runs the draft."""
     p.add_argument(

@@ -32,6 +32,7 @@ from . import kernel_costs
 from .args import (
     Parser,
     add_draft_kv,
+    add_verify,
     int_at_least,
     non_negative_float,
     non_negative_int,
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="GB",
         help="DeepSeek-V4: keep routed experts on disk with an LRU of this many GB",
     )
+    add_verify(p)
     p.add_argument(
         "--peer-experts",
         type=positive_int,
@@ -206,7 +208,9 @@ def run(args: argparse.Namespace) -> dict:
     if not supports_draft(resolve(model_path)):
         # Before this process loads anything: a second resident copy would not fit a big bundle.
         memory = dsv4_bench.memory_probe(resolve(model_path), args.max_expert_memory)
-    model, tokenizer = load(model_path, max_expert_memory=args.max_expert_memory)
+    model, tokenizer = load(
+        model_path, max_expert_memory=args.max_expert_memory, verify=args.verify
+    )
     a = model.args
     prompt = bench_prompt(tokenizer, args.prompt_tokens, a.vocab_size)
     n, rep = args.gen_tokens, args.repeats

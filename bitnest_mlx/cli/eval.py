@@ -15,6 +15,7 @@ from ..sampling import RULES, make_sampler
 from .args import (
     Parser,
     add_draft_kv,
+    add_verify,
     int_at_least,
     non_empty,
     non_negative_float,
@@ -137,11 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         "sum(min(p, q)))",
     )
     add_draft_kv(p)
+    add_verify(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     try:
         text = read_text(args.text)  # before the model: a bad file is refused at once
-        model, tokenizer = load(resolve_model(args.model))
+        model, tokenizer = load(resolve_model(args.model), verify=args.verify)
     except (*LOAD_ERRORS, OSError, ValueError) as e:
         return refuse(e)
     if tokenizer is None:

@@ -20,6 +20,7 @@ from ..sampling import make_sampler as bitnest_make_sampler
 from .args import (
     Parser,
     add_draft_kv,
+    add_verify,
     fraction,
     non_empty,
     non_negative_float,
@@ -118,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="DeepSeek-V4: keep routed experts on disk and the most recently used in an LRU of "
         "this many GB (same output, less memory)",
     )
+    add_verify(p)
     return p
 
 
@@ -141,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         tic = time.perf_counter()
         mode = "draft" if args.mode == "draft" else "target"
         model, tokenizer = load(
-            model_path, mode=mode, pipeline=group, max_expert_memory=args.max_expert_memory
+            model_path,
+            mode=mode,
+            pipeline=group,
+            max_expert_memory=args.max_expert_memory,
+            verify=args.verify,
         )
         load_s = time.perf_counter() - tic
     except LOAD_ERRORS as e:

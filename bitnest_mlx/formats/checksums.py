@@ -8,7 +8,8 @@ config.json) under one key:
     {"algorithm": "sha256",
      "self": <hash of the document, this block included, without "self">,
      "json": {"config.json": <hash>, ...},     # other JSON files the model reads
-     "tensors": {<name>: <hash>, ...}}         # every stored tensor
+     "tensors": {<name>: <hash>, ...},         # every stored tensor
+     "files": {<file name>: <hash>, ...}}      # every other file of the directory, as bytes
 
 A tensor's hash covers its safetensors dtype and shape and its bytes as stored, so it does not
 depend on which file or shard holds it, and a dtype or shape lie that keeps the byte count is
@@ -22,7 +23,12 @@ blake2b; and it also catches a deliberate edit, not only random damage.
 
 Verification runs after every structural rule of the format, so a broken file is still refused
 with the rule it breaks; the checksums only decide about input that is valid but not what was
-written.
+written. A plain load checks only what costs no data read (the block itself, the JSON documents,
+which tensors are recorded); hashing the data is asked for (`data=True`: `load(verify=True)`,
+`--verify`, `bitnest-verify`, and the Hub path for the files it has just downloaded), so a load
+stays lazy and memory-mapped. With `files` recorded, a file whose bytes match needs no tensor
+hashing; `tensors` is what a block without `files` (written before it existed) is checked by,
+and what names the tensor inside a safetensors file that differs.
 """
 
 from __future__ import annotations
@@ -30,9 +36,15 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
+from collections.abc import Iterable
 from pathlib import Path
 
+from . import safetensors_io
+
 ALGORITHM = "sha256"
+# The files a reader of either format may open, apart from the document holding the block: one
+# of these present but not recorded was added after writing (and may change what loads).
+READ_PATTERNS = ("*.safetensors", "*.json", "*.jinja", "tokenizer.model", "merges.txt")
 
 
 def json_hash(doc: dict) -> str:
@@ -46,47 +58,132 @@ def _self_hash(doc: dict, key: str) -> str:
     return json_hash({**doc, key: block})
 
 
+def file_hash(f: Path) -> str:
+    """The hash of a file's bytes, read through a memory map (nothing copied)."""
+    h = hashlib.sha256()
+    with open(f, "rb") as fh:
+        if fh.seek(0, 2):
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                h.update(mapped)
+    return h.hexdigest()
+
+
+def recordable_files(directory: Path, doc_name: str) -> list[Path]:
+    """The files a block records: every regular, non-hidden file but the document itself."""
+    return sorted(
+        f
+        for f in directory.iterdir()
+        if f.is_file() and not f.name.startswith(".") and f.name != doc_name
+    )
+
+
 def tensor_hashes(f: Path) -> dict[str, str]:
     """{tensor name: hash of its dtype, shape and stored bytes} of one safetensors file.
 
-    Reads the header itself (the file must already have passed `check_safetensors`) and hashes
-    the data through a memory map, so nothing is copied or converted.
+    Reads the header through `safetensors_io.read_header` (strict framing) and hashes the data
+    through a memory map, so nothing is copied or converted.
     """
+    spans = safetensors_io.read_header(f, ValueError)
     out: dict[str, str] = {}
-    with open(f, "rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(n))
-        if fh.seek(0, 2) == 0:
-            return out
-        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            data = memoryview(mapped)
-            try:
-                for name, entry in header.items():
-                    if name == "__metadata__":
-                        continue
-                    start, end = (8 + n + int(x) for x in entry["data_offsets"])
-                    h = hashlib.sha256(json.dumps([entry["dtype"], entry["shape"]]).encode())
-                    with data[start:end] as part:
-                        h.update(part)
-                    out[name] = h.hexdigest()
-            finally:
-                data.release()
+    if not spans:
+        return out
+    with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        data = memoryview(mapped)
+        try:
+            for name, span in spans.items():
+                h = hashlib.sha256(json.dumps([span.dtype, list(span.shape)]).encode())
+                with data[span.begin : span.end] as part:
+                    h.update(part)
+                out[name] = h.hexdigest()
+        finally:
+            data.release()
     return out
 
 
-def make_block(doc: dict, key: str, files: list[Path], json_docs: dict[str, dict]) -> dict:
+def make_block(
+    doc: dict, key: str, files: list[Path], json_docs: dict[str, dict], doc_file: Path
+) -> dict:
     """Store the checksum block of `doc` under `key` (tensors of `files`, the `json_docs` by
-    file name, and the document itself) and return the document."""
+    file name, the bytes of every other file beside `doc_file`, and the document itself) and
+    return the document. Call it once every other file of the directory is written."""
     tensors: dict[str, str] = {}
     for f in files:
         tensors.update(tensor_hashes(f))
+    doc.pop(key, None)
     doc[key] = {
         "algorithm": ALGORITHM,
         "json": {name: json_hash(d) for name, d in sorted(json_docs.items())},
         "tensors": dict(sorted(tensors.items())),
+        "files": {f.name: file_hash(f) for f in recordable_files(doc_file.parent, doc_file.name)},
     }
     doc[key]["self"] = _self_hash(doc, key)
     return doc
+
+
+def check_block(doc: dict, doc_file: Path, key: str, error: type[Exception]) -> dict:
+    """`doc[key]` well-formed, of our algorithm, and `doc` unchanged since it was written."""
+    block = doc[key]
+    where = f"{doc_file}: {key}"
+    if not isinstance(block, dict) or block.get("algorithm") != ALGORITHM:
+        algo = block.get("algorithm") if isinstance(block, dict) else block
+        raise error(f"{where}: algorithm {algo!r}, expected {ALGORITHM!r}")
+    maps = [block.get("tensors"), block.get("json", {}), block.get("files", {})]
+    if not (
+        all(isinstance(m, dict) for m in maps)
+        and all(isinstance(v, str) for m in maps for v in m.values())
+        and isinstance(block.get("self"), str)
+    ):
+        raise error(
+            f"{where}: expected string hashes in 'self', 'json' (file -> hash), 'tensors' "
+            "(tensor -> hash) and, when present, 'files' (file -> hash)"
+        )
+    if (found := _self_hash(doc, key)) != block["self"]:
+        raise error(
+            f"{doc_file}: edited after it was written: its {ALGORITHM} is {found}, {key}.self "
+            f"records {block['self']}"
+        )
+    return block
+
+
+def verify_files(
+    block: dict, doc_file: Path, error: type[Exception], only: Iterable[str] | None = None
+) -> set[str]:
+    """Hash the files `block["files"]` records (those named in `only`, when given), in name
+    order, and refuse the first that is missing or differs, or a file a reader may open that is
+    not recorded. Returns the names found intact. A safetensors file that differs is named with
+    its first differing tensor when the block records tensors."""
+    recorded: dict[str, str] = block.get("files", {})
+    directory = doc_file.parent
+    names = sorted(recorded if only is None else set(only) & set(recorded))
+    for name in names:
+        f = directory / name
+        if not f.is_file():
+            raise error(f"{f}: missing, but {doc_file.name} records its {ALGORITHM}")
+        if (found := file_hash(f)) != recorded[name]:
+            raise error(
+                f"{f}: {ALGORITHM} {found}, but {doc_file.name} records {recorded[name]} (changed "
+                f"after it was written{_first_difference(f, block)})"
+            )
+    if only is None and recorded:
+        for f in recordable_files(directory, doc_file.name):
+            if f.name not in recorded and any(f.match(p) for p in READ_PATTERNS):
+                raise error(f"{f}: not recorded in {doc_file.name} (added after writing?)")
+    return set(names)
+
+
+def _first_difference(f: Path, block: dict) -> str:
+    """Where in a safetensors file `f` the change is, when the block's tensor hashes tell."""
+    if f.suffix != ".safetensors":
+        return ""
+    try:
+        found = tensor_hashes(f)
+    except ValueError:
+        return "; its safetensors framing is broken"
+    recorded = block.get("tensors", {})
+    for name, h in sorted(found.items()):
+        if name in recorded and recorded[name] != h:
+            return f"; first differing tensor: {name}"
+    return "; every tensor's data is intact: the header or padding changed"
 
 
 def verify(
@@ -96,45 +193,28 @@ def verify(
     tensor_files: dict[str, Path],
     json_docs: dict[str, tuple[Path, dict | None]],
     error: type[Exception],
+    data: bool = False,
 ) -> None:
     """Check `doc[key]` when present (a document without one is accepted: it cannot be checked).
 
     tensor_files: every stored tensor -> the file holding it; json_docs: file name -> (its path,
-    the parsed document or None when the file is absent). Raises `error` with one line naming
-    the file, the tensor or key, and the expected and found hash.
+    the parsed document or None when the file is absent). Without `data`, only what reads no
+    tensor data: the block, the documents, which tensors are recorded. With `data`, also every
+    recorded file's bytes and every tensor not covered by an intact file. Raises `error` with
+    one line naming the file, the tensor or key, and the expected and found hash.
     """
     if key not in doc:
         return
-    block = doc[key]
-    where = f"{doc_file}: {key}"
-    if not isinstance(block, dict) or block.get("algorithm") != ALGORITHM:
-        algo = block.get("algorithm") if isinstance(block, dict) else block
-        raise error(f"{where}: algorithm {algo!r}, expected {ALGORITHM!r}")
-    recorded = block.get("tensors")
-    files = block.get("json", {})
-    if not (
-        isinstance(recorded, dict)
-        and isinstance(files, dict)
-        and all(isinstance(v, str) for v in (*recorded.values(), *files.values()))
-        and isinstance(block.get("self"), str)
-    ):
-        raise error(
-            f"{where}: expected string hashes in 'self', 'json' (file -> hash) and 'tensors' "
-            "(tensor -> hash)"
-        )
-    if (found := _self_hash(doc, key)) != block["self"]:
-        raise error(
-            f"{doc_file}: edited after it was written: its {ALGORITHM} is {found}, {key}.self "
-            f"records {block['self']}"
-        )
-    for name, (path, data) in json_docs.items():
-        if data is not None and name not in files:
+    block = check_block(doc, doc_file, key, error)
+    recorded, files = block["tensors"], block.get("json", {})
+    for name, (path, parsed) in json_docs.items():
+        if parsed is not None and name not in files:
             raise error(f"{path}: not recorded in {doc_file.name} {key} (added after writing?)")
     for name, want in files.items():
-        path, data = json_docs.get(name, (doc_file.parent / name, None))
-        if data is None:
+        path, parsed = json_docs.get(name, (doc_file.parent / name, None))
+        if parsed is None:
             raise error(f"{path}: missing, but {doc_file.name} records its {ALGORITHM}")
-        if (found := json_hash(data)) != want:
+        if (found := json_hash(parsed)) != want:
             raise error(
                 f"{path}: edited after it was written: its {ALGORITHM} is {found}, "
                 f"{doc_file.name} records {want}"
@@ -146,8 +226,13 @@ def verify(
     missing = sorted(set(recorded) - set(tensor_files))
     if missing:
         raise error(f"{doc_file}: {key} records tensor {missing[0]}, which no file holds")
+    if not data:
+        return
+    intact = verify_files(block, doc_file, error)
     hashes: dict[Path, dict[str, str]] = {}
     for name, f in sorted(tensor_files.items()):
+        if f.name in intact:
+            continue  # its bytes are those written, so are its tensors'
         if f not in hashes:
             hashes[f] = tensor_hashes(f)
         if (found := hashes[f][name]) != recorded[name]:

@@ -264,8 +264,9 @@ def bit_plan(config: dict) -> dict[str, int]:
     return plan
 
 
-def read(path: str | Path) -> Bundle:
-    """Read and validate a bundle against its config's schedule (see the module docstring)."""
+def read(path: str | Path, verify: bool = False) -> Bundle:
+    """Read and validate a bundle against its config's schedule (see the module docstring);
+    `verify` also hashes the data against config.json's checksums (formats/checksums.py)."""
     path = Path(path)
     config_file = path / "config.json"
     config = safetensors_io.read_json(config_file, BundleError)
@@ -310,7 +311,7 @@ def read(path: str | Path) -> Bundle:
             _check_plan(name, formats[name], plan)
     # Last, so that a broken file is refused with the rule it breaks (formats/checksums.py).
     tensor_files = {key: f for key, (f, _) in stored.items()}
-    checksums.verify(config, config_file, CHECKSUMS_KEY, tensor_files, {}, BundleError)
+    checksums.verify(config, config_file, CHECKSUMS_KEY, tensor_files, {}, BundleError, data=verify)
     return Bundle(config, out, formats, affine, seed, path, sorted(ignored))
 
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from . import checksums, mxtq
+from . import checksums, mxtq, safetensors_io
 from .dsv4_bundle import CHECKSUMS_KEY, INDEX_FILE, plan_key, schedule, stored_expert_name
+from .dsv4_config import BundleError
 
 # Passthrough tensors jang keeps in float32 (the rest of the passthrough class goes to float16).
 _F32_PASSTHROUGH = re.compile(r"(hc_|attn_sink|\.ape$|gate\.bias$)")
@@ -94,8 +95,9 @@ def write(
             "assignment": plan,
         }
     files = _write_shards(path, out, shards)
-    # config.json last: it records the checksums of the shards and of itself.
-    checksums.make_block(config, CHECKSUMS_KEY, files, {})
+    # config.json last: it records the checksums of the shards and of itself (a caller adding
+    # files afterwards, a tokenizer, calls `seal` to record them too).
+    checksums.make_block(config, CHECKSUMS_KEY, files, {}, path / "config.json")
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
 
@@ -129,15 +131,14 @@ def seal(path: str | Path) -> Path:
     """Recompute a bundle's checksums after a deliberate edit of its config or tensors (the
     files named by the index, else every *.safetensors); checks nothing else."""
     path = Path(path)
-    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    config = safetensors_io.read_json(path / "config.json", BundleError)
     index = path / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        weight_map = safetensors_io.read_json(index, BundleError)["weight_map"]
         files = [path / f for f in sorted(set(weight_map.values()))]
     else:
         files = sorted(path.glob("*.safetensors"))
-    config.pop(CHECKSUMS_KEY, None)
-    checksums.make_block(config, CHECKSUMS_KEY, files, {})
+    checksums.make_block(config, CHECKSUMS_KEY, files, {}, path / "config.json")
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
 

@@ -181,8 +181,11 @@ def _check_smoothing(f: Path, name: str, a: mx.array) -> None:
         raise _fail(f, name, msg)
 
 
-def read(path: str | Path) -> Package:
-    """Read and validate a package directory; PackageError names file, tensor, expectation."""
+def read(path: str | Path, verify: bool = False) -> Package:
+    """Read and validate a package directory; PackageError names file, tensor, expectation.
+
+    `verify`: also hash the data against the manifest's checksums (§2.6), naming the first file
+    that differs; without it only the checks that read no tensor data run."""
     path = Path(path)
     manifest_file = find_manifest(path)
     manifest = read_json(manifest_file)
@@ -258,6 +261,7 @@ def read(path: str | Path) -> Package:
         {name: f for name, (f, _) in tensors.found.items()},
         {"config.json": (config_file, read_json(config_file) if has_config else None)},
         PackageError,
+        data=verify,
     )
     spec = PackageSpec.from_package(manifest, config)
     return Package(path, manifest, config, spec, {k: a for k, (_, a) in tensors.found.items()})

@@ -292,11 +292,12 @@ class PackageWriter:
         if notes is not None:
             self.manifest["conversion"] = notes
         (self.out / "config.json").write_text(json.dumps(self.package_config, indent=2) + "\n")
-        _write_manifest(self.out / "bitnest.json", self.manifest, files, self.package_config)
         if self.tokenizer_dir is not None:
             for fname in TOKENIZER_FILES:
                 if (Path(self.tokenizer_dir) / fname).is_file():
                     shutil.copy(Path(self.tokenizer_dir) / fname, self.out / fname)
+        # Last: it records the bytes of every other file (§2.6).
+        _write_manifest(self.out / "bitnest.json", self.manifest, files, self.package_config)
         return self.out
 
 
@@ -386,10 +387,10 @@ def write(
 
 def _write_manifest(f: Path, manifest: dict, files: list[Path], config: dict | None) -> None:
     """The manifest with its checksum block (docs/bitnest-package.md §2.6): every tensor of
-    `files`, config.json's content when there is one, and the manifest itself."""
-    manifest.pop(CHECKSUMS_KEY, None)
+    `files`, config.json's content when there is one, the bytes of every other file beside it,
+    and the manifest itself."""
     json_docs = {"config.json": config} if config is not None else {}
-    checksums.make_block(manifest, CHECKSUMS_KEY, files, json_docs)
+    checksums.make_block(manifest, CHECKSUMS_KEY, files, json_docs, f)
     f.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
 
 
