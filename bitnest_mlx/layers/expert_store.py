@@ -15,7 +15,6 @@ them exactly as on the resident stack).
 
 from __future__ import annotations
 
-import json
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -24,7 +23,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..formats.dsv4_bundle import INDEX_FILE, stored_expert_name
+from ..formats.dsv4_bundle import INDEX_FILE, BundleError, stored_expert_name
+from ..formats.safetensors_io import read_header, read_json
 
 _NUMPY = {"U32": np.uint32, "F16": np.float16, "U8": np.uint8}
 
@@ -51,23 +51,14 @@ def tensor_ranges(path: str | Path) -> dict[str, tuple[Path, int, str, list[int]
     path = Path(path)
     index = path / INDEX_FILE
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(read_json(index, BundleError)["weight_map"].values()))
         files = [path / n for n in names]
     else:
         files = sorted(path.glob("*.safetensors"))
     out = {}
     for f in files:
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n))
-        for key, entry in header.items():
-            if key != "__metadata__":
-                out[key] = (
-                    f,
-                    8 + n + int(entry["data_offsets"][0]),
-                    entry["dtype"],
-                    entry["shape"],
-                )
+        for key, span in read_header(f, BundleError).items():
+            out[key] = (f, span.begin, span.dtype, list(span.shape))
     return out
 
 
