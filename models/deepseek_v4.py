@@ -21,6 +21,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.switch_layers import SwitchLinear
 
+from bitnest_mlx.formats.dsv4_config import DSV4Config
 from bitnest_mlx.layers.dsv4_cache import DSV4Cache
 from bitnest_mlx.layers.dsv4_ops import PartialRoPE, fp8_fake_quant, swiglu_clamped
 from bitnest_mlx.layers.mxtq_linear import MXTQSwitchLinear, routed_glu
@@ -30,54 +31,9 @@ from .deepseek_v4_attention import Compressor, Indexer
 
 
 @dataclass
-class ModelArgs(BaseModelArgs):
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    head_dim: int
-    qk_rope_head_dim: int
-    q_lora_rank: int
-    o_lora_rank: int
-    o_groups: int
-    moe_intermediate_size: int
-    n_routed_experts: int
-    num_experts_per_tok: int
-    compress_ratios: list[int]
-    model_type: str = "deepseek_v4"
-    n_shared_experts: int = 1
-    num_hash_layers: int = 0
-    routed_scaling_factor: float = 1.0
-    scoring_func: str = "sqrtsoftplus"
-    swiglu_limit: float = 0.0
-    sliding_window: int = 128
-    rope_theta: float = 10000.0
-    compress_rope_theta: float = 10000.0
-    rope_parameters: dict | None = None
-    rope_scaling: dict | None = None
-    index_n_heads: int = 64
-    index_head_dim: int = 128
-    index_topk: int = 512
-    hc_mult: int = 4
-    hc_sinkhorn_iters: int = 20
-    hc_eps: float = 1e-6
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 1048576
-    tie_word_embeddings: bool = False
-
-    def __post_init__(self):
-        n = self.num_hidden_layers
-        if len(self.compress_ratios) < n:
-            raise ValueError(f"compress_ratios has {len(self.compress_ratios)} entries, need {n}")
-        # Entries past num_hidden_layers belong to MTP layers, which are not built.
-        self.compress_ratios = [int(r) for r in self.compress_ratios[:n]]
-        bad = sorted({r for r in self.compress_ratios if r not in (0, 4, 128)})
-        if bad:
-            raise ValueError(f"compress_ratios may hold 0, 4 and 128 only, got {bad}")
-        if self.scoring_func != "sqrtsoftplus":
-            raise ValueError(f"scoring_func {self.scoring_func!r} is not supported")
-        if self.tie_word_embeddings:
-            raise ValueError("tied embeddings are not part of DeepSeek-V4")
+class ModelArgs(DSV4Config, BaseModelArgs):
+    """config.json's fields as formats.dsv4_config.DSV4Config lists and validates them (the one
+    list of names, types, ranges and defaults), under mlx-lm's args protocol."""
 
 
 # ---------------------------------------------------------------- small pieces

@@ -426,8 +426,20 @@ def test_declared_bias_that_is_missing_is_refused(qwen2):
         qwen2,
         "model.safetensors",
         "missing tensor model.layers.0.self_attn.k_proj.bias",
-        "float16 or float32 [128]",
+        "float32 [128]",
         "has_bias: true",
+    )
+
+
+def test_bias_stored_in_the_other_float_dtype_is_refused_not_cast(qwen2):
+    # Either dtype is valid, but all biases share the first one's: a lone float16 bias among
+    # float32 ones is a tensor rewritten in another dtype, whose values the model would not get.
+    edit_tensors(qwen2, _retype("model.layers.0.self_attn.k_proj.bias", mx.float16))
+    refused(
+        qwen2,
+        "model.layers.0.self_attn.k_proj.bias",
+        "dtype float16 but expected float32 [128]",
+        "model.layers.0.self_attn.q_proj.bias is float32",
     )
 
 

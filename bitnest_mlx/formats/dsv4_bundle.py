@@ -20,7 +20,7 @@ disagrees with a tensor's `tq_bits`, or an MXTQ row length that does not fill wh
 `layers.L.ffn.switch_mlp.<proj>`.
 
 Writing is formats/dsv4_bundle_write.py; both sides take the schedule and the stored key names
-from here, so a layout rule lives in one place.
+from formats/dsv4_schedule.py, so a layout rule lives in one place.
 """
 
 from __future__ import annotations
@@ -34,25 +34,21 @@ import mlx.core as mx
 
 from . import checksums, mxtq, safetensors_io
 from .dsv4_config import BundleError, check_config, is_int
+from .dsv4_schedule import (  # the layout, re-exported: callers know it as dsv4_bundle's
+    FLOATS,
+    INTS,
+    PROJECTIONS,
+    Slot,
+    check_float_families,
+    plan_key,
+    schedule,
+    stored_expert_name,
+)
+from .dsv4_schedule import layer_proj as layer_proj
 
 INDEX_FILE = "model.safetensors.index.json"
-PROJECTIONS = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}  # official expert names
-FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 # The optional integrity block in config.json (formats/checksums.py); jang ignores the key.
 CHECKSUMS_KEY = "bitnest_checksums"
-INTS = (mx.int8, mx.int16, mx.int32, mx.int64, mx.uint8, mx.uint16, mx.uint32, mx.uint64)
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One logical tensor of the model.
-
-    kind: "linear" ([out, in], float or affine), "embedding" (same storage), "experts"
-    ([E, out, in], MXTQ or float), "float" (passthrough) or "int" (tid2eid).
-    """
-
-    kind: str
-    shape: tuple[int, ...]
 
 
 @dataclass
@@ -73,106 +69,6 @@ def is_bundle(path: str | Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(config, dict) and config.get("model_type") == "deepseek_v4"
-
-
-# ---------------------------------------------------------------- config values
-
-# ---------------------------------------------------------------- schedule
-
-
-def schedule(config: dict) -> dict[str, Slot]:
-    """Every logical tensor the config's layer schedule implies, by model parameter name."""
-    c = config
-    d, v, hc = c["hidden_size"], c["vocab_size"], c.get("hc_mult", 4)
-    heads, hd = c["num_attention_heads"], c["head_dim"]
-    q_lora, o_lora, groups = c["q_lora_rank"], c["o_lora_rank"], c["o_groups"]
-    inter, experts = c["moe_intermediate_size"], c["n_routed_experts"]
-    shared = inter * c.get("n_shared_experts", 1)
-    ih, idim = c.get("index_n_heads", 64), c.get("index_head_dim", 128)
-    n_layers = c["num_hidden_layers"]
-    ratios = c["compress_ratios"]
-    if len(ratios) < n_layers:
-        raise BundleError(
-            f"config.json: compress_ratios has {len(ratios)} entries, need {n_layers}"
-        )
-    mix = (2 + hc) * hc
-
-    s: dict[str, Slot] = {
-        "embed": Slot("embedding", (v, d)),
-        "head": Slot("linear", (v, d)),
-        "norm.weight": Slot("float", (d,)),
-        "hc_head_fn": Slot("float", (hc, hc * d)),
-        "hc_head_base": Slot("float", (hc,)),
-        "hc_head_scale": Slot("float", (1,)),
-    }
-    for i in range(n_layers):
-        p, r = f"layers.{i}", ratios[i]
-        s.update(
-            {
-                f"{p}.attn_norm.weight": Slot("float", (d,)),
-                f"{p}.ffn_norm.weight": Slot("float", (d,)),
-                f"{p}.attn.wq_a": Slot("linear", (q_lora, d)),
-                f"{p}.attn.q_norm.weight": Slot("float", (q_lora,)),
-                f"{p}.attn.wq_b": Slot("linear", (heads * hd, q_lora)),
-                f"{p}.attn.wkv": Slot("linear", (hd, d)),
-                f"{p}.attn.kv_norm.weight": Slot("float", (hd,)),
-                f"{p}.attn.wo_a": Slot("linear", (groups * o_lora, heads * hd // groups)),
-                f"{p}.attn.wo_b": Slot("linear", (d, groups * o_lora)),
-                f"{p}.attn.attn_sink": Slot("float", (heads,)),
-                f"{p}.ffn.gate.weight": Slot("float", (experts, d)),
-                f"{p}.ffn.shared_experts.w1": Slot("linear", (shared, d)),
-                f"{p}.ffn.shared_experts.w2": Slot("linear", (d, shared)),
-                f"{p}.ffn.shared_experts.w3": Slot("linear", (shared, d)),
-                f"{p}.ffn.switch_mlp.gate_proj": Slot("experts", (experts, inter, d)),
-                f"{p}.ffn.switch_mlp.up_proj": Slot("experts", (experts, inter, d)),
-                f"{p}.ffn.switch_mlp.down_proj": Slot("experts", (experts, d, inter)),
-            }
-        )
-        for site in ("attn", "ffn"):
-            s[f"{p}.hc_{site}_fn"] = Slot("float", (mix, hc * d))
-            s[f"{p}.hc_{site}_base"] = Slot("float", (mix,))
-            s[f"{p}.hc_{site}_scale"] = Slot("float", (3,))
-        if i < c.get("num_hash_layers", 0):
-            s[f"{p}.ffn.gate.tid2eid"] = Slot("int", (v, c["num_experts_per_tok"]))
-        else:
-            s[f"{p}.ffn.gate.bias"] = Slot("float", (experts,))
-        if r:
-            s.update(_compressor(f"{p}.attn.compressor", r, hd, d))
-        if r == 4:
-            s[f"{p}.attn.indexer.wq_b"] = Slot("linear", (ih * idim, q_lora))
-            s[f"{p}.attn.indexer.weights_proj"] = Slot("linear", (ih, d))
-            s.update(_compressor(f"{p}.attn.indexer.compressor", 4, idim, d))
-    return s
-
-
-def _compressor(prefix: str, ratio: int, head_dim: int, d: int) -> dict[str, Slot]:
-    width = head_dim * (2 if ratio == 4 else 1)
-    return {
-        f"{prefix}.wkv": Slot("linear", (width, d)),
-        f"{prefix}.wgate": Slot("linear", (width, d)),
-        f"{prefix}.ape": Slot("float", (ratio, width)),
-        f"{prefix}.norm.weight": Slot("float", (head_dim,)),
-    }
-
-
-def layer_proj(name: str) -> tuple[str, str]:
-    """("L", "<proj>") of a routed-expert slot `layers.L.ffn.switch_mlp.<proj>`."""
-    return name.split(".")[1], name.rsplit(".", 1)[1]
-
-
-def plan_key(name: str) -> str:
-    """The `routed_expert_bit_plan` key of a routed-expert slot: "layer_L.<proj>"."""
-    layer, proj = layer_proj(name)
-    return f"layer_{layer}.{proj}"
-
-
-def stored_expert_name(name: str, expert: int | None = None) -> str:
-    """Where jang stores a routed-expert slot: pre-stacked under `layers.L.mlp.switch_mlp.<proj>`,
-    or, given `expert`, under the official per-expert `layers.L.ffn.experts.E.w{1,2,3}`."""
-    layer, proj = layer_proj(name)
-    if expert is None:
-        return f"layers.{layer}.mlp.switch_mlp.{proj}"
-    return f"layers.{layer}.ffn.experts.{expert}.{PROJECTIONS[proj]}"
 
 
 # ---------------------------------------------------------------- reading
@@ -271,9 +167,9 @@ def read(path: str | Path, verify: bool = False) -> Bundle:
     config_file = path / "config.json"
     config = safetensors_io.read_json(config_file, BundleError)
     if config.get("model_type") != "deepseek_v4":
-        raise BundleError(f"{config_file}: model_type {config.get('model_type')!r}")
-    check_config(config, config_file)
-    slots = schedule(config)
+        found = f"= {config['model_type']!r}" if "model_type" in config else "missing"
+        raise BundleError(f"{config_file}: model_type {found}, expected 'deepseek_v4'")
+    slots = schedule(check_config(config, config_file))
     seed = resolve_seed(path, config)
     stored = _load_tensors(path)
 
@@ -309,6 +205,7 @@ def read(path: str | Path, verify: bool = False) -> Bundle:
         else:
             formats[name] = _read_experts(name, slot, got, out)
             _check_plan(name, formats[name], plan)
+    check_float_families(out)
     # Last, so that a broken file is refused with the rule it breaks (formats/checksums.py).
     tensor_files = {key: f for key, (f, _) in stored.items()}
     checksums.verify(config, config_file, CHECKSUMS_KEY, tensor_files, {}, BundleError, data=verify)

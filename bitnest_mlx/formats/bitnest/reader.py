@@ -214,14 +214,17 @@ def read(path: str | Path, verify: bool = False) -> Package:
                 "act-order / permutation tensors are not supported (expected groups of "
                 f"{group} contiguous columns)",
             )
+    bias_dtypes, first_bias = (mx.float16, mx.float32), ""
     for name, (n, k) in linears.items():
         hi = tensors.expect(f"{name}.hi", mx.uint8, (n, k // 2))
         lo = tensors.expect(f"{name}.lo", mx.uint8, (n, k // 2))
         why = f"; {manifest_file.name}: group_size {group}"
         tensors.expect(f"{name}.scales", mx.float16, (n, k // group), why)
         if manifest["layers"][name].get("has_bias"):
-            why = f"; {manifest_file.name} says has_bias: true"
-            tensors.expect(f"{name}.bias", (mx.float16, mx.float32), (n,), why)
+            why = f"; {manifest_file.name} says has_bias: true{first_bias}"
+            # Every bias has the first one's dtype: one stored in the other is refused, not cast.
+            bias_dtypes = (tensors.expect(f"{name}.bias", bias_dtypes, (n,), why).dtype,)
+            first_bias = first_bias or f", and {name}.bias is {_dt(bias_dtypes)}"
         _check_low_codes(tensors.file(f"{name}.lo"), f"{name}.lo", hi, lo)
 
     d, v = config["hidden_size"], config["vocab_size"]
