@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from .formats import bitnest, detect, dsv4_bundle, safetensors_io
 from .hub import HubError, resolve
-from .layers.options import RunOptions
+from .layers.options import RunOptions, at_load
 from .layers.pipeline import PipelineError
 
 # Any of these makes a directory loadable by AutoTokenizer.
@@ -213,7 +213,32 @@ def load_model(path: str | Path, dtype: mx.Dtype | None = None, verify: bool = F
     fmt = model_format(path)
     if verify:
         fmt.verify(Path(path))
-    return fmt.load_model(Path(path), dtype)
+    return _switched(fmt.load_model(Path(path), dtype), RunOptions())
+
+
+def _switched(model: nn.Module, options: RunOptions) -> nn.Module:
+    """The process-wide choices read once per load (`at_load`: BITNEST_MLX_KERNELS) and kept by
+    the model: in its RunOptions (bitnest), or in its MXTQ layers (DeepSeek-V4, no options)."""
+    options = at_load(options)
+    if model.supports_draft:
+        model.options = options
+    else:
+        from .layers.mxtq_linear import allow_kernels
+
+        allow_kernels(model, options.use_kernels)
+    return model
+
+
+def uses_kernels(model: nn.Module) -> bool:
+    """Whether `model` may route to the Metal kernels (as loaded; they still need Metal).
+    False for a model that is not ours (an mlx-lm model has no bitnest kernels)."""
+    if getattr(model, "supports_draft", None) is None:
+        return False
+    if model.supports_draft:
+        return model.options.use_kernels
+    from .layers.mxtq_linear import kernels_allowed
+
+    return kernels_allowed(model)
 
 
 def load(
@@ -231,7 +256,8 @@ def load(
     Returns (model, tokenizer): an mlx-lm style model and mlx-lm's TokenizerWrapper (None when
     the directory has no tokenizer files). Models with `supports_draft` (bitnest packages) get
     `options` (default: RunOptions(mode=mode)) as their call defaults; others have one precision
-    and ignore both.
+    and ignore both. `BITNEST_MLX_KERNELS=0` in the environment now turns the kernels off for
+    this model (`layers.options.at_load`).
 
     `pipeline`: split the layers over the group's ranks (mlx-lm's pipeline convention,
     layers/pipeline.py); this rank loads and runs its share only, and every rank returns the
@@ -260,6 +286,4 @@ def load(
         raise PipelineError(f"{path}: a {fmt.name} model cannot be split into a pipeline")
     else:
         model = fmt.load_stage(path, dtype, pipeline)
-    if model.supports_draft:
-        model.options = options or RunOptions(mode=mode)
-    return model, fmt.load_tokenizer(path)
+    return _switched(model, options or RunOptions(mode=mode)), fmt.load_tokenizer(path)

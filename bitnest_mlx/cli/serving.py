@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import socket
 import sys
 import threading
@@ -30,7 +29,7 @@ import mlx_lm.server as mlx_server
 from mlx_lm.models.cache import LRUPromptCache
 
 from ..formats import detect
-from ..loader import LOAD_ERRORS
+from ..loader import LOAD_ERRORS, uses_kernels
 from .args import one_line
 
 MAX_BODY_BYTES = 64 << 20  # a request body larger than this is refused unread (413)
@@ -59,12 +58,13 @@ class RequestError(ValueError):
         self.status = status
 
 
-def kernels_path() -> str:
-    """Which path the layers take: the rule of `kernels.use` before any self-test has run."""
-    if os.environ.get("BITNEST_MLX_KERNELS", "1") == "0":
-        return "pure-mlx (BITNEST_MLX_KERNELS=0)"
+def kernels_path(model) -> str:
+    """Which path the layers take: no Metal, or the model's own switch (BITNEST_MLX_KERNELS,
+    read when it was loaded), else the kernels, each self-tested at first use."""
     if not mx.metal.is_available():
         return "pure-mlx (no Metal device)"
+    if not uses_kernels(model):
+        return "pure-mlx (BITNEST_MLX_KERNELS=0 when the model was loaded)"
     return "metal (each kernel self-tested at first use)"
 
 
@@ -114,8 +114,8 @@ class Provider(mlx_server.ModelProvider):
             spec = "speculation=off"
         return (
             f"bitnest-server: model={args.model} format={detect(args.model) or 'mlx-lm'} "
-            f"mode={getattr(self.model, 'mode', 'target')} {spec} kernels={kernels_path()} "
-            f"context={self.context}"
+            f"mode={getattr(self.model, 'mode', 'target')} {spec} "
+            f"kernels={kernels_path(self.model)} context={self.context}"
         )
 
 

@@ -1,14 +1,14 @@
 """Which path serves a call: the kernel after its first-use self-test passed, else pure MLX.
 
-Layers ask `use(name, self_test)` before routing to a kernel; it is true only on Metal, when
-`BITNEST_MLX_KERNELS` is not "0", and after the layer's self-test (its kernel against its own pure
-path, passed in by the layer: this package knows no layer) passed. On a mismatch it warns once
-and the pure path is used for the rest of the process.
+Layers ask `use(name, self_test)` before routing to a kernel, after their own `RunOptions`
+allowed kernels (`BITNEST_MLX_KERNELS` is read into those when a model is loaded, not here); it is
+true only on Metal and after the layer's self-test (its kernel against its own pure path, passed
+in by the layer: this package knows no layer) passed. On a mismatch it warns once and the pure
+path is used for the rest of the process.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -31,7 +31,8 @@ _state = _State()
 
 @cache
 def _metal() -> bool:
-    return mx.metal.is_available() and os.environ.get("BITNEST_MLX_KERNELS", "1") != "0"
+    # A fact of the machine, so one answer per process is right (a switch would not be).
+    return mx.metal.is_available()
 
 
 SelfTest = Callable[[Runner | None], tuple[mx.array, mx.array]]

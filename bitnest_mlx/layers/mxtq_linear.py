@@ -52,6 +52,9 @@ class _MXTQBase(nn.Module):
         # Derived, never stored in a bundle: underscore names keep them out of parameters().
         self._codebook = mx.array(codebook(in_features, bits))
         self._signs = mx.array(signs(in_features, seed))
+        # Whether this layer may use the kernels at all: DeepSeek-V4 models carry no RunOptions,
+        # so the loader sets it from the environment at load (`allow_kernels`).
+        self.use_kernels = True
         if 8 % bits == 0:  # whole codes per byte: the byte-table matvec applies
             cpb = 8 // bits
             fields = np.arange(cpb, dtype=np.uint32) * bits
@@ -63,6 +66,7 @@ class _MXTQBase(nn.Module):
         """R x (float32). Modules with the same in_features and seed can share one rotated x."""
         if (
             use_kernels
+            and self.use_kernels
             and kernels.hadamard_supported(self.in_features)
             and kernels.use("hadamard", hadamard_self_test)
         ):
@@ -187,6 +191,7 @@ class MXTQSwitchLinear(_MXTQBase):
         kernel's reference)."""
         if (
             use_kernels
+            and self.use_kernels
             and x_rot.shape[-2] == 1
             and kernels.mxtq_gather_supported(x_rot[..., 0, :], indices, self.bits)
             and kernels.use("mxtq_gather", gather_self_test)
@@ -282,6 +287,7 @@ def routed_glu(
     xr = gate.rotate(x, use_kernels)
     if (
         use_kernels
+        and gate.use_kernels
         and x.shape[-2] == 1
         and x.shape[-3] == 1
         and fusable(gate, up)
@@ -300,6 +306,18 @@ def routed_glu(
         u = up.apply_rotated(xu, indices, use_kernels, stacks[1])
         h = swiglu_clamped(g, u, limit) * weights[..., None, None]
     return down.apply_rotated(down.rotate(h, use_kernels), indices, use_kernels, stacks[2])
+
+
+def allow_kernels(model: nn.Module, allowed: bool) -> None:
+    """Set every MXTQ layer's kernel permission (the loader's reading of the environment)."""
+    for _, m in model.named_modules():
+        if isinstance(m, _MXTQBase):
+            m.use_kernels = allowed
+
+
+def kernels_allowed(model: nn.Module) -> bool:
+    """Whether any MXTQ layer of `model` may use the kernels."""
+    return any(m.use_kernels for _, m in model.named_modules() if isinstance(m, _MXTQBase))
 
 
 def same_rotation(a: _MXTQBase, b: _MXTQBase) -> bool:

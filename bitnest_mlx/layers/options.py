@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 MODES = ("draft", "target")
 DRAFT_KV = (4, 8)  # the KV planes a draft call reads: KV4 (hi plane) or KV8 (both)
@@ -20,6 +22,8 @@ class RunOptions:
     passes (perplexity) are much faster dense; the quantized matmul stays the default because it
     gives bit-identical rows whatever the batch, which exact cache rollback relies on.
     use_kernels: allow the Metal kernels (they still run only on Metal, after their self-test).
+    A model loaded while `BITNEST_MLX_KERNELS=0` gets False here (`at_load`); options passed to
+    one call are used as given.
     draft_kv: the KV a draft call reads, 4 (the hi plane, default) or 8 (both planes, as the
     target). The cache stores both planes either way; only the read differs, so the target's
     verification, and with it the exactness of speculative output, does not depend on it.
@@ -46,3 +50,20 @@ class RunOptions:
     def reads_kv4(self) -> bool:
         """Whether attention reads KV4 (the hi plane only): a draft call with draft_kv == 4."""
         return self.draft and self.draft_kv == 4
+
+
+KERNELS_ENV = "BITNEST_MLX_KERNELS"  # "0": models loaded while it is set take the pure path
+
+
+def kernels_allowed(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the environment allows the Metal kernels (anything but `BITNEST_MLX_KERNELS=0`)."""
+    return (os.environ if environ is None else environ).get(KERNELS_ENV, "1") != "0"
+
+
+def at_load(options: RunOptions, environ: Mapping[str, str] | None = None) -> RunOptions:
+    """`options` as a model being loaded now keeps them: the environment's kernel switch is read
+    here, once per load, so a process can load one model with kernels and one without (and a
+    test can flip it) instead of the first read deciding for the whole process."""
+    if options.use_kernels and not kernels_allowed(environ):
+        return replace(options, use_kernels=False)
+    return options
