@@ -3,6 +3,7 @@ import tempfile
 
 import mlx.core as mx
 import pytest
+import tools
 
 # Tests never touch the user's cache: the demo package is built into a per-run directory.
 os.environ.setdefault("BITNEST_MLX_CACHE", tempfile.mkdtemp(prefix="bitnest-test-cache-"))
@@ -11,3 +12,14 @@ os.environ.setdefault("BITNEST_MLX_CACHE", tempfile.mkdtemp(prefix="bitnest-test
 @pytest.fixture(autouse=True)
 def _seed():
     mx.random.seed(0)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under BITNEST_REQUIRE_TOOLS (CI), a skip for a missing system tool is a failure."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and tools.required() and tools.MISSING in str(report.longrepr):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"{reason}; {tools.REQUIRE_ENV} is set, so this is a failure"

@@ -12,7 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,34 +34,52 @@ def server_command(args: list[str], port: int) -> list[str]:
     ]
 
 
+READY = "Starting httpd"  # the server's last line before it serves (its port is bound by then)
+
+
 @contextmanager
 def running_server(args: list[str], log_file: Path, env: dict | None = None) -> Iterator[str]:
-    """Start the server with `args` (--model ...), wait until /v1/models answers, yield its URL."""
+    """Start the server with `args` (--model ...), wait for its ready line, yield its URL. Its
+    output goes to `log_file` line by line as it comes."""
     port = free_port()
-    with open(log_file, "w") as log:
-        proc = subprocess.Popen(
-            server_command(args, port),
-            env={**os.environ, **(env or {})},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + START_TIMEOUT
-            while True:
-                if proc.poll() is not None:
-                    pytest.fail(log_file.read_text()[-2000:])
-                try:
-                    urllib.request.urlopen(url + "/v1/models", timeout=1).read()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        pytest.fail("server did not answer:\n" + log_file.read_text()[-2000:])
-                    time.sleep(0.1)
-            yield url
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+    proc = subprocess.Popen(
+        server_command(args, port),
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    ready = threading.Event()
+
+    def tee() -> None:
+        with open(log_file, "w") as log:
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                if READY in line:
+                    ready.set()
+        ready.set()  # the server ended: nothing more to wait for
+
+    reader = threading.Thread(target=tee, daemon=True)
+    reader.start()
+    try:
+        if not ready.wait(START_TIMEOUT) or proc.poll() is not None:
+            pytest.fail("server did not start:\n" + log_file.read_text()[-2000:])
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        reader.join(timeout=30)
+
+
+def wait_for(done: Callable[[], bool], what: str, timeout: float = START_TIMEOUT) -> None:
+    """Poll `done` until it holds (an event the test cannot be told of directly, e.g. a log
+    line); failing after a generous `timeout` says what never happened."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not seen within {timeout} s")
+        time.sleep(0.05)
 
 
 def failed_start(args: list[str], env: dict | None = None) -> tuple[int, str, bool]:

@@ -4,20 +4,17 @@ about the dual-plane kernel; `bench --kernels` turns them into estimated cycles.
 from __future__ import annotations
 
 import hashlib
-import shutil
 from dataclasses import dataclass
 
 import mlx.core as mx
 import pytest
+import tools
 
 from bitnest_mlx import kernels
 from bitnest_mlx.cli import bench, kernel_costs
 from bitnest_mlx.kernels.emulator import counting, emulate, profile
 
-needs_compilers = pytest.mark.skipif(
-    shutil.which(emulate.CXX) is None or counting.compiler() is None,
-    reason="operation counts need g++ and clang++",
-)
+needs_compilers = tools.needs(emulate.CXX, counting.CLANG, why="operation counts build with both")
 
 
 @dataclass(frozen=True)

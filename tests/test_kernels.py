@@ -9,7 +9,6 @@ comparisons run on the GPU. Nothing here runs real Metal on Linux.
 from __future__ import annotations
 
 import hashlib
-import shutil
 from dataclasses import dataclass
 from unittest import mock
 
@@ -18,6 +17,7 @@ import mlx.nn as nn
 import mlx_lm  # noqa: F401  (its bitnest hook imports the model first: avoids an import cycle)
 import numpy as np
 import pytest
+import tools
 from factory import make_package
 from metal_emu import emulator, syntax
 
@@ -40,9 +40,7 @@ SELF_TESTS = {
     "hadamard": mxtq_linear.hadamard_self_test,
 }
 
-needs_cxx = pytest.mark.skipif(
-    shutil.which(emulator.CXX) is None, reason=f"the Metal emulator needs {emulator.CXX}"
-)
+needs_cxx = tools.needs(emulator.CXX, why="the Metal emulator compiles kernels with it")
 on_metal = pytest.mark.skipif(not mx.metal.is_available(), reason="needs Metal (a Mac)")
 
 
@@ -609,7 +607,7 @@ def generated_sources() -> dict[str, str]:
 def msl_checker():
     tool = syntax.compiler()
     if tool is None:
-        pytest.skip("no clang++ (apt install failed or not root) and no g++: syntax check skipped")
+        tools.missing("clang++", "g++", why="the Metal syntax check")
     return tool
 
 
@@ -637,7 +635,7 @@ def test_syntax_check_catches_a_planted_typo(generated_sources, msl_checker, spe
 
 def test_syntax_check_catches_an_address_space_error(generated_sources, msl_checker):
     if msl_checker[0] != "clang":
-        pytest.skip("address spaces are only modelled with clang")
+        tools.missing("clang++", why="address spaces are only modelled with clang")
     src = next(s for s in generated_sources.values() if "custom_kernel_bitnest_hadamard" in s)
     bad = src.replace("const float norm =", "float* alias = &buf[0][0];\nconst float norm =", 1)
     assert bad != src
