@@ -1,21 +1,42 @@
+"""The generate CLI: in-process through `cli.generate.main(argv)` (what the console script and
+`python -m bitnest_mlx.generate` call), and once as the `python -m` process a user runs."""
+
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 
+from bitnest_mlx.cli import generate
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "bitnest_mlx.generate", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """`generate.main(args)` with its exit status and what it printed (no new process: each
+    would spend seconds importing mlx-lm, transformers and torch)."""
+
+    def run(*args: str) -> Result:
+        capsys.readouterr()
+        try:
+            code = generate.main(list(args))
+        except SystemExit as e:  # argparse's own refusals
+            code = e.code
+        out = capsys.readouterr()
+        return Result(code, out.out, out.err)
+
+    return run
 
 
 @pytest.mark.parametrize("mode", ["draft", "target", "speculative"])
-def test_demo_generates_json_in_every_mode(mode):
+def test_demo_generates_json_in_every_mode(run_cli, mode):
     r = run_cli("--prompt", "Hello", "--max-tokens", "16", "--mode", mode, "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -26,15 +47,21 @@ def test_demo_generates_json_in_every_mode(mode):
     assert out["stats"]["generation_tps"] > 0
 
 
-def test_demo_streams_text_and_prints_stats():
-    r = run_cli("--prompt", "The river", "--max-tokens", "8", "--temp", "0")
+def test_demo_streams_text_and_prints_stats_as_a_python_m_process():
+    r = subprocess.run(
+        [sys.executable, "-m", "bitnest_mlx.generate", "--prompt", "The river"]
+        + ["--max-tokens", "8", "--temp", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
     assert "generation:" in r.stderr and "tok/s" in r.stderr
     assert "[speculative] acceptance:" in r.stderr  # speculative is the default mode
 
 
-def test_speculative_json_stats_and_greedy_parity_with_target_mode():
+def test_speculative_json_stats_and_greedy_parity_with_target_mode(run_cli):
     common = ("--prompt", "The river", "--max-tokens", "24", "--temp", "0", "--json")
     target = json.loads(run_cli(*common, "--mode", "target").stdout)
     spec = json.loads(run_cli(*common, "--no-fallback", "--num-draft-tokens", "2").stdout)
@@ -51,13 +78,13 @@ def test_speculative_json_stats_and_greedy_parity_with_target_mode():
     assert zero["stats"]["fallback"] is False
 
 
-def test_missing_model_is_a_clear_error(tmp_path):
+def test_missing_model_is_a_clear_error(run_cli, tmp_path):
     r = run_cli("--model", str(tmp_path / "nope"), "--max-tokens", "2")
     assert r.returncode == 2
     assert "nope" in r.stderr and "error" in r.stderr
 
 
-def test_dsv4_demo_bundle_generates_and_refuses_draft_mode():
+def test_dsv4_demo_bundle_generates_and_refuses_draft_mode(run_cli):
     from bitnest_mlx.demo import demo_bundle_path
 
     bundle = str(demo_bundle_path())
