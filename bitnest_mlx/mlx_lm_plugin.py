@@ -15,7 +15,8 @@ imports one of these modules, so any process sees bitnest models without importi
   `stream_generate` looks the function up at call time, so mlx-lm's CLI and server both use it.
   `main` (`python -m mlx_lm generate`) turns our format errors into one line `error: ...`, exit 2.
 * `mlx_lm.chat`, `mlx_lm.server` (patched right after they run): the same for their `main`; the
-  server loads a model of our formats before it listens (`patch_server`).
+  server loads a model of our formats before it listens (`patch_server`). `bitnest-server` does
+  not go through `mlx_lm.server.main` at all: it composes mlx-lm's server classes itself.
 
 A broken package or bundle raises our own error from `mlx_lm.load` (PackageError / BundleError:
 one line naming file, tensor, expectation), never an error from deep inside mlx-lm or
@@ -23,6 +24,10 @@ transformers.
 
 `register()` (exported as `bitnest_mlx.register_mlx_lm`) does the same in a process started
 without the hook, patching mlx-lm modules that are already imported.
+
+This module is the only place that changes mlx-lm at run time (bitnest-server composes mlx-lm's
+server classes instead: cli/serving.py). Each patch says why mlx-lm offers no seam for it, and
+tests/test_mlx_lm_seams.py fails when an mlx-lm upgrade moves what a patch relies on.
 """
 
 from __future__ import annotations
@@ -69,6 +74,8 @@ def _bitnest_classes() -> tuple[type, type]:
 @functools.cache
 def _register_cache() -> None:
     """load_prompt_cache looks cache classes up by name in mlx_lm.models.cache."""
+    # No seam: `load_prompt_cache` resolves each saved class name through that module's
+    # `globals()`, with no registry to add a class to, so ours must be a name there.
     import mlx_lm.models.cache
 
     from .layers.nested_kv import NestedKVCache
@@ -197,6 +204,10 @@ def _key(path_or_repo: str) -> str:
 
 
 def patch_utils(utils: ModuleType) -> None:
+    # No seam: mlx-lm builds every model through `utils.load` / `load_model` /
+    # `load_tokenizer`, looked up as module globals by its CLIs and server, with no hook for a
+    # format whose files are not safetensors-by-config (our validated readers), nor for a
+    # model name (`PATH#draft`) that is a view of another model.
     if _patched(utils.load):
         return
     orig_load_model, orig_load_tokenizer, orig_load = (
@@ -286,6 +297,9 @@ def patch_utils(utils: ModuleType) -> None:
 
 
 def patch_generate(generate: ModuleType) -> None:
+    # No seam: `stream_generate` calls the module global `speculative_generate_step` whenever a
+    # draft model is given, with no argument choosing the loop, and our draft shares the
+    # target's cache (a loop mlx-lm's cannot run). `main` catches nothing of ours.
     orig = generate.speculative_generate_step
     if not _patched(orig):
 
@@ -303,6 +317,8 @@ def patch_generate(generate: ModuleType) -> None:
 
 def patch_chat(chat: ModuleType) -> None:
     """`mlx_lm chat` loads in its main: our load errors become one line."""
+    # No seam: `main` parses, loads and loops in one function; a wrapper is the only way to
+    # turn our load errors into one line.
     if not _patched(chat.main):
         chat.main = one_line_errors(chat.main)
 
@@ -313,6 +329,8 @@ def patch_server(server: ModuleType) -> None:
     formats the default model is loaded in `ModelProvider.__init__`, before the server starts
     (the thread's load is then a no-op: same model key), and `main` reports a load error as one
     line, exit 2. Other models keep mlx-lm's own timing."""
+    # No seam: `mlx_lm.server.main` builds its parser and a plain `ModelProvider` inside one
+    # function (bitnest-server, which has its own `main`, subclasses the provider instead).
     provider = server.ModelProvider
     if not _patched(provider.__init__):
         orig_init = provider.__init__

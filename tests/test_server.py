@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from hub_server import FakeHub  # noqa: E402
 from server_process import post, request, running_server  # noqa: E402
 
-from bitnest_mlx.cli.server import server_argv  # noqa: E402
+from bitnest_mlx.cli.server import build_parser, resolved  # noqa: E402
 from bitnest_mlx.demo import demo_path  # noqa: E402
 
 REQUEST = {"messages": [{"role": "user", "content": "The river"}], "max_tokens": 10}
@@ -42,17 +42,16 @@ def _post(url: str, body: dict) -> bytes:
     return post(url, "/v1/chat/completions", body)
 
 
-def test_server_argv_defaults_draft_to_same_package(tmp_path):
+def test_draft_model_defaults_to_the_same_package_unless_target_only(tmp_path):
     pkg = str(demo_path())
-    assert server_argv(["--model", pkg, "--port", "1"]) == [
-        "--model",
-        pkg,
-        "--draft-model",
-        pkg + "#draft",
-        "--port",
-        "1",
-    ]
-    assert server_argv(["--model", pkg, "--target-only"]) == ["--model", pkg]
+
+    def served(*argv: str) -> tuple[str, str | None, int]:
+        args = resolved(build_parser().parse_args(list(argv)))
+        return args.model, args.draft_model, args.port
+
+    assert served("--model", pkg, "--port", "1") == (pkg, pkg + "#draft", 1)
+    assert served("--model", pkg, "--target-only") == (pkg, None, 8080)
+    assert served("--model", "demo", "--draft-model", "other")[1] == "other"
 
 
 def test_chat_completion_non_streaming_and_streaming_agree(server):

@@ -14,11 +14,16 @@ The same server as `python -m mlx_lm server` (all its flags; see docs/server.md)
 * one startup line (model, format, mode, speculation, kernels, context), `/v1/models` without a
   Hugging Face cache, quiet client disconnects, and a 4xx JSON error for a bad request
   (`bitnest_mlx.cli.serving`).
+
+mlx-lm builds its parser inside `mlx_lm.server.main`, so there is no parser to extend: ours
+declares the same flags (names, types, defaults; tests/test_mlx_lm_seams.py compares them with the
+installed mlx-lm's) and hands the namespace to mlx-lm's classes (`serving.serve`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from ..demo import resolve_model
@@ -27,53 +32,80 @@ from ..loader import LOAD_ERRORS, supports_draft, verify_path
 from ..mlx_lm_plugin import DRAFT_SUFFIX, register
 from .args import refuse
 
+OURS = ("target_only", "verify")  # flags mlx-lm's server does not have
 
-def server_argv(argv: list[str]) -> list[str]:
-    """mlx-lm server arguments for ours: --model resolved, --draft-model defaulted."""
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--model")
-    p.add_argument("--draft-model")
-    p.add_argument("--target-only", action="store_true")
-    p.add_argument("--verify", action="store_true")
-    ours, rest = p.parse_known_args(argv)
-    if ours.model is None:
+
+def build_parser() -> argparse.ArgumentParser:
+    """mlx-lm server's flags, then ours."""
+    from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+    from mlx_lm.utils import _parse_size
+
+    p = argparse.ArgumentParser(
+        prog="bitnest-server",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    a = p.add_argument
+    a("--model", help="a bitnest package, a DSV4 bundle, a Hub id org/repo[@revision], or demo")
+    a("--adapter-path", help="adapter weights (an mlx-lm model only)")
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=8080)
+    a("--allowed-origins", type=lambda x: x.split(","), default="*")
+    a("--draft-model", default=None, help="default for a bitnest package: MODEL#draft")
+    a("--num-draft-tokens", type=int, default=3, help="the maximum draft length")
+    a("--trust-remote-code", action="store_true")
+    levels = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+    a("--log-level", default="INFO", choices=levels)
+    a("--chat-template", default="")
+    a("--use-default-chat-template", action="store_true")
+    a("--temp", type=float, default=0.0)
+    a("--top-p", type=float, default=1.0)
+    a("--top-k", type=int, default=0)
+    a("--min-p", type=float, default=0.0)
+    a("--max-tokens", type=int, default=512)
+    a("--chat-template-args", type=json.loads, default="{}")
+    a("--decode-concurrency", type=int, default=32)
+    a("--prompt-concurrency", type=int, default=8)
+    a("--prefill-step-size", type=int, default=2048)
+    a("--prompt-cache-size", type=int, default=10)
+    a("--prompt-cache-bytes", type=_parse_size)
+    a("--kv-bits", type=int, default=None)
+    a("--kv-group-size", type=int, default=64)
+    a("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START)
+    a("--pipeline", action="store_true")
+    a("--target-only", action="store_true", help="serve the W8 target without speculation")
+    a("--verify", action="store_true", help="check the files' checksums before loading")
+    return p
+
+
+def resolved(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with --model resolved (Hub id, demo -> a local path) and --draft-model defaulted
+    to MODEL#draft for a bitnest package; checksums verified first with --verify."""
+    if args.model is None:
         raise HubError("--model is required (a bitnest package, a DSV4 bundle, a Hub id, or demo)")
-    model = str(resolve(resolve_model(ours.model)))
-    if ours.verify:  # before the port opens, like every other load error
+    model = str(resolve(resolve_model(args.model)))
+    if args.verify:  # before the port opens, like every other load error
         verify_path(model)
-    draft = ours.draft_model
-    if draft is None and not ours.target_only and supports_draft(model):
+    draft = args.draft_model
+    if draft is None and not args.target_only and supports_draft(model):
         draft = model + DRAFT_SUFFIX
-    return ["--model", model, *(["--draft-model", draft] if draft else []), *rest]
+    return argparse.Namespace(**{**vars(args), "model": model, "draft_model": draft})
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    aliases: tuple[str, ...] = ()
-    if {"-h", "--help"} & set(argv):  # ours, then mlx-lm's own help
-        print(__doc__.strip() + "\n\nbitnest flags: --target-only, --verify\n", flush=True)
-        args = argv
-    else:
-        try:
-            args = server_argv(argv)
-        except LOAD_ERRORS as e:
-            return refuse(e)
-        aliases = (_given_model(argv),)
+    given = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        args = resolved(given)
+    except LOAD_ERRORS as e:
+        return refuse(e)
     register()
     from . import serving
 
     try:
-        serving.main(args, aliases)
+        serving.serve(args, aliases=(given.model,))
     except (*LOAD_ERRORS, serving.LoadFailed) as e:
         return refuse(e)
     return 0
-
-
-def _given_model(argv: list[str]) -> str:
-    """--model as the user wrote it (a Hub id, a relative path): clients may name it so."""
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--model")
-    return p.parse_known_args(argv)[0].model
 
 
 if __name__ == "__main__":

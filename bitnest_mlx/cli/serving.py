@@ -14,6 +14,7 @@ flags, with the failure modes of careless users, broken files and many clients c
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm.server as mlx_server
+import mlx_lm.utils as mlx_utils
 from mlx_lm.models.cache import LRUPromptCache
 
 from ..formats import detect
@@ -358,16 +360,16 @@ def run(host: str, port: int, provider: Provider) -> None:
         stop(generator, provider)
 
 
-def main(argv: list[str], aliases: tuple[str, ...] = ()) -> None:
-    """mlx-lm's server `main` on `argv` (all its flags), served by `run` above.
+def serve(args: argparse.Namespace, aliases: tuple[str, ...] = ()) -> None:
+    """What `mlx_lm.server.main` does after parsing (wired limit, logging), with our provider,
+    generator, handler and server (`run`): mlx-lm's classes, composed, nothing of it replaced.
 
     Raises one of LOAD_ERRORS or LoadFailed, before binding the port, if the model cannot be
     loaded.
     """
-    saved = sys.argv, mlx_server.run
-    sys.argv = ["bitnest-server", *argv]
-    mlx_server.run = lambda host, port, stock: run(host, port, Provider(stock.cli_args, aliases))
-    try:
-        mlx_server.main()
-    finally:
-        sys.argv, mlx_server.run = saved
+    mlx_utils.maybe_set_recommended_wired_limit()
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), None),
+        format="%(asctime)s - %(levelname)s - %(message)s",
+    )
+    run(args.host, args.port, Provider(args, aliases))
