@@ -19,6 +19,7 @@ from mlx_lm.generate import generate_step
 from test_speculative import P_LOGITS, Q_LOGITS, chi2_pvalue, tokens_of
 
 import bitnest_mlx
+from bitnest_mlx.cli import generate
 from bitnest_mlx.sampling import (
     ACCEPT,
     GUMBEL,
@@ -230,27 +231,26 @@ def test_api_stream_generate_and_generate_take_a_seed():
 # The CLI: run twice -> the same tokens, in each mode
 
 
-def test_cli_seeded_runs_are_reproducible_in_every_mode():
+def test_cli_seeded_runs_are_reproducible_in_every_mode(capsys):
+    """Each mode twice, in one process (state left by a run must not leak into the next), and
+    once more as its own `python -m` process (nothing else in the process decides the tokens)."""
     common = ["--temp", "0.8", "--seed", "1", "--max-tokens", "48", "--json"]
     runs = [(m, [*common, "--mode", m]) for m in ("speculative", "target", "draft") for _ in "ab"]
     runs.append(("other seed", [*common[:3], "2", *common[4:]]))
-    procs = [
-        (
-            name,
-            subprocess.Popen(
-                [sys.executable, "-m", "bitnest_mlx.generate", *argv],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            ),
-        )
-        for name, argv in runs
-    ]
+    fresh = subprocess.Popen(
+        [sys.executable, "-m", "bitnest_mlx.generate", *runs[0][1]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out: dict[str, list[list[int]]] = {}
-    for name, proc in procs:
-        stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, stderr
-        out.setdefault(name, []).append(json.loads(stdout)["tokens"])
+    for name, argv in runs:
+        capsys.readouterr()
+        assert generate.main(argv) == 0
+        out.setdefault(name, []).append(json.loads(capsys.readouterr().out)["tokens"])
+    stdout, stderr = fresh.communicate(timeout=300)
+    assert fresh.returncode == 0, stderr
+    assert json.loads(stdout)["tokens"] == out["speculative"][0]
     for mode in ("speculative", "target", "draft"):
         first, second = out[mode]
         assert first == second and len(first) == 48, mode
