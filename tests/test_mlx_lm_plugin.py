@@ -218,6 +218,15 @@ def break_package(pkg: Path, how: str) -> tuple[str, str]:
         broken = pkg / sorted(set(shard(pkg).values()))[-1]
         broken.write_bytes(broken.read_bytes()[:-1000])
         return str(broken), "truncated"
+    if how == "header one byte short":  # mx.load would read every tensor shifted by a byte
+        broken = pkg / sorted(set(shard(pkg).values()))[-1]
+        data = bytearray(broken.read_bytes())
+        data[:8] = (int.from_bytes(data[:8], "little") - 1).to_bytes(8, "little")
+        broken.write_bytes(bytes(data))
+        return str(broken), "safetensors"
+    if how == "broken tokenizer_config.json":  # parsed by transformers: our line first
+        (pkg / "tokenizer_config.json").write_text('{"tokenizer_class": ')
+        return str(pkg / "tokenizer_config.json"), "unreadable JSON"
     if how == "no manifest":  # config.json still says model_type bitnest
         (pkg / "bitnest.json").unlink()
         return str(pkg), "no manifest"
@@ -236,7 +245,15 @@ def tiny_package(tmp_path) -> Path:
 
 
 @pytest.mark.parametrize(
-    "how", ["truncated shard", "no manifest", "no config.json", "no tokenizer"]
+    "how",
+    [
+        "truncated shard",
+        "header one byte short",
+        "broken tokenizer_config.json",
+        "no manifest",
+        "no config.json",
+        "no tokenizer",
+    ],
 )
 def test_mlx_lm_load_of_broken_package_raises_package_error(mlx_lm, tiny_package, how):
     from bitnest_mlx.formats.bitnest import PackageError

@@ -86,6 +86,15 @@ def break_package(pkg: Path, how: str) -> tuple[str, str]:
         broken = pkg / sorted(set(shard(pkg).values()))[-1]
         broken.write_bytes(broken.read_bytes()[:-1000])
         return str(broken), "truncated"
+    if how == "header one byte short":  # mx.load would read every tensor shifted by a byte
+        broken = pkg / sorted(set(shard(pkg).values()))[-1]
+        data = bytearray(broken.read_bytes())
+        data[:8] = (int.from_bytes(data[:8], "little") - 1).to_bytes(8, "little")
+        broken.write_bytes(bytes(data))
+        return str(broken), "safetensors"
+    if how == "broken tokenizer_config.json":  # parsed by transformers: our line first
+        (pkg / "tokenizer_config.json").write_text('{"tokenizer_class": ')
+        return str(pkg / "tokenizer_config.json"), "unreadable JSON"
     # Found only after the model was built (in the generation thread): the exit must still be
     # clean, not MLX's abort at interpreter shutdown.
     assert how == "no tokenizer"
@@ -94,7 +103,10 @@ def break_package(pkg: Path, how: str) -> tuple[str, str]:
     return str(pkg), "no tokenizer files"
 
 
-@pytest.mark.parametrize("how", ["truncated shard", "no tokenizer"])
+@pytest.mark.parametrize(
+    "how",
+    ["truncated shard", "header one byte short", "broken tokenizer_config.json", "no tokenizer"],
+)
 def test_broken_package_exits_2_with_one_line_and_never_listens(tmp_path, how):
     pkg, _, _ = make_package(tmp_path / "pkg", tokenizer=True)
     named, phrase = break_package(pkg, how)
