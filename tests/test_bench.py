@@ -1,25 +1,27 @@
 import json
-import subprocess
-import sys
 
 import pytest
 
 from bitnest_mlx import load
+from bitnest_mlx.cli import bench
 from bitnest_mlx.cli.bench import CHIPS, roofline
 from bitnest_mlx.demo import demo_path
 from bitnest_mlx.formats import bitnest
 
 
-def test_bench_json_on_demo_reports_all_fields():
-    r = subprocess.run(
-        [sys.executable, "-m", "bitnest_mlx.bench", "--model", str(demo_path()), "--json"]
-        + ["--prompt-tokens", "8", "--gen-tokens", "6", "--num-draft-tokens", "2"],
-        capture_output=True,
-        text=True,
-        timeout=300,
+def _bench_json(capsys, *argv: str) -> dict:
+    """`bench.main(argv)` in this process (test_cli_entry_points runs the command as one)."""
+    capsys.readouterr()
+    assert bench.main([*argv, "--json"]) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+def test_bench_json_on_demo_reports_all_fields(capsys):
+    out = _bench_json(
+        capsys,
+        *("--model", str(demo_path()), "--prompt-tokens", "8", "--gen-tokens", "6"),
+        *("--num-draft-tokens", "2"),
     )
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
     assert out["settings"]["prompt_tokens"] == 8
     for mode in ("draft", "target"):
         assert out["prompt_tps"][mode] > 0
@@ -62,27 +64,11 @@ def test_roofline_counts_the_package_planes_and_scales():
     assert ceiling == pytest.approx(546e9 / r["bytes_per_token"]["draft"])
 
 
-def test_bench_reports_dsv4_bundle_tok_s():
+def test_bench_reports_dsv4_bundle_tok_s(capsys):
     from bitnest_mlx.demo import demo_bundle_path
 
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bitnest_mlx.bench",
-            "--model",
-            str(demo_bundle_path()),
-            "--prompt-tokens",
-            "16",
-            "--gen-tokens",
-            "4",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    out = _bench_json(
+        capsys, "--model", str(demo_bundle_path()), "--prompt-tokens", "16", "--gen-tokens", "4"
     )
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
     assert out["model_type"] == "deepseek_v4"
     assert out["prompt_tps"] > 0 and out["generation_tps"] > 0
