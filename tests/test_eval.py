@@ -2,8 +2,6 @@
 
 import json
 import math
-import subprocess
-import sys
 
 import mlx.core as mx
 import numpy as np
@@ -14,6 +12,7 @@ torch = pytest.importorskip("torch")
 from factory import VOCAB, config_dict, state, tiny_hf  # noqa: E402
 
 import bitnest_mlx  # noqa: E402
+from bitnest_mlx.cli import eval as eval_cli  # noqa: E402
 from bitnest_mlx.convert import write_package  # noqa: E402
 from bitnest_mlx.demo import write_tokenizer  # noqa: E402
 from bitnest_mlx.evaluation import evaluate  # noqa: E402
@@ -79,32 +78,14 @@ def test_draft_perplexity_is_worse_than_target_and_float(package):
     assert abs(ppl["target"] - ppl["float"]) < abs(ppl["draft"] - ppl["float"])
 
 
-def test_eval_cli_prints_json(package, tmp_path):
+def test_eval_cli_prints_json(package, tmp_path, capsys):
     _, path = package
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bitnest_mlx.eval",
-            "--model",
-            str(path),
-            "--text",
-            str(text),
-            "--max-tokens",
-            "64",
-            "--window",
-            "32",
-            "--json",
-            "--gen-tokens",
-            "8",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    argv = ["--model", str(path), "--text", str(text), "--max-tokens", "64", "--window", "32"]
+    capsys.readouterr()
+    # In-process (test_cli_entry_points runs the command as a process).
+    assert eval_cli.main([*argv, "--json", "--gen-tokens", "8"]) == 0, capsys.readouterr().err
+    out = json.loads(capsys.readouterr().out)
     assert out["mode"] == "target" and out["tokens"] == 62
     assert np.isfinite(out["ppl"])
