@@ -25,7 +25,6 @@ from formats/dsv4_schedule.py, so a layout rule lives in one place.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,11 +63,11 @@ class Bundle:
 
 def is_bundle(path: str | Path) -> bool:
     """config.json says model_type deepseek_v4 (cheap: mlx-lm's loader asks about every model)."""
-    try:
-        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    try:  # a broken config.json is named by whichever reader then opens it
+        config = safetensors_io.read_json(Path(path) / "config.json", ValueError)
+    except ValueError:
         return False
-    return isinstance(config, dict) and config.get("model_type") == "deepseek_v4"
+    return config.get("model_type") == "deepseek_v4"
 
 
 # ---------------------------------------------------------------- reading
