@@ -77,7 +77,9 @@ def _bitnest_model(path: Path, dtype: mx.Dtype | None) -> nn.Module:
     return model
 
 
-def checked_tokenizer(path: Path, error: type[Exception], load: Callable, *args, **kwargs):
+def checked_tokenizer(
+    path: Path, error: type[Exception], load: Callable, *args, **kwargs
+) -> object:
     """`load(path, *args, **kwargs)` (mlx-lm's tokenizer loading) after our check of the
     tokenizer files (formats.safetensors_io.check_tokenizer_files); whatever transformers still
     raises becomes `error`, one line naming the directory."""
