@@ -69,7 +69,7 @@ setup(
     entry_points={
         "console_scripts": [
             f"bitnest-{name}=bitnest_mlx.cli.{name}:main"
-            for name in ("generate", "convert", "eval", "bench", "server", "verify")
+            for name in ("generate", "convert", "eval", "bench", "server", "verify", "doctor")
         ]
     },
     extras_require={

@@ -36,6 +36,7 @@ RANKS = {
     "bench": 5,
     "server": 5,
     "verify": 5,
+    "doctor": 5,  # bitnest-doctor's shim
     "__main__": 5,
     "__init__": 5,  # the lazy public API
 }

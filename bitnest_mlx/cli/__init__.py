@@ -8,4 +8,5 @@ COMMANDS = {
     "bench": "draft, target and speculative tok/s beside mlx-lm on the same backend",
     "server": "mlx-lm's OpenAI-compatible server with self-speculation",
     "verify": "check a package or bundle against the sha256 checksums its writer recorded",
+    "doctor": "a report to paste into an issue: this machine, each kernel's self-test and GB/s",
 }

@@ -173,7 +173,7 @@ def kernel_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx
     # (M, weight group, A8 group, draft): every WEIGHT_GROUPS, both A8 kinds, both planes.
     cases = ((1, 128, -1, True), (4, 128, -1, False), (4, 64, 64, False), (1, 32, 128, True))
     for i, (m, group_size, a_group, draft) in enumerate(cases):
-        lin = _random_linear(k, n, group_size, seed=1 + i)
+        lin = random_linear(k, n, group_size, seed=1 + i)
         x = mx.random.normal((m, k), key=mx.random.key(10 + i))
         codes, a_scale = a8_codes(x, a_group)
         got.append(
@@ -182,7 +182,7 @@ def kernel_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx
             )
         )
         want.append(lin._pure(a8(x, a_group), draft=draft))
-    gate, up = _random_linear(k, 6, 128, seed=7), _random_linear(k, 6, 128, seed=8)
+    gate, up = random_linear(k, 6, 128, seed=7), random_linear(k, 6, 128, seed=8)
     x = mx.random.normal((4, k), key=mx.random.key(20))
     codes, a_scale = a8_codes(x)
     planes = (mx.concatenate([gate.hi, up.hi]), mx.concatenate([gate.lo, up.lo]))
@@ -198,7 +198,7 @@ def kernel_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx
     return mx.concatenate(flat[0]), mx.concatenate(flat[1])
 
 
-def _random_linear(k: int, n: int, group_size: int, seed: int) -> DualPlaneLinear:
+def random_linear(k: int, n: int, group_size: int, seed: int) -> DualPlaneLinear:
     """Random planes and a different scale per group (reading the wrong group shows)."""
     k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
     lin = DualPlaneLinear(k, n, group_size=group_size)

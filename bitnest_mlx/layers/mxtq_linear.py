@@ -62,6 +62,11 @@ class _MXTQBase(nn.Module):
             self._byte_values = self._codebook[mx.array(byte_codes)]  # [256, cpb]
         self.freeze()
 
+    @property
+    def codebook(self) -> mx.array:
+        """The Lloyd-Max centroids this layer's codes index (float32)."""
+        return self._codebook
+
     def rotate(self, x: mx.array, use_kernels: bool = True) -> mx.array:
         """R x (float32). Modules with the same in_features and seed can share one rotated x."""
         if (
@@ -331,7 +336,7 @@ def fusable(gate: MXTQSwitchLinear, up: MXTQSwitchLinear) -> bool:
     return same_rotation(gate, up) and all(getattr(gate, a) == getattr(up, a) for a in same)
 
 
-def _random_switch(n_in: int, n_out: int, experts: int, bits: int, key) -> MXTQSwitchLinear:
+def random_switch(n_in: int, n_out: int, experts: int, bits: int, key) -> MXTQSwitchLinear:
     k1, k2 = mx.random.split(key)
     sw = MXTQSwitchLinear(n_in, n_out, experts, bits=bits)
     sw.tq_packed = mx.random.randint(0, 2**31, sw.tq_packed.shape, key=k1).astype(mx.uint32)
@@ -348,7 +353,7 @@ def gather_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx
     idx = mx.array([[0, 2, 2], [1, 3, 0]], dtype=mx.uint32)
     for bits, seed in ((2, 3), (4, 5)):
         k1, k2 = mx.random.split(mx.random.key(seed))
-        sw = _random_switch(1024, 40, 4, bits, k1)
+        sw = random_switch(1024, 40, 4, bits, k1)
         for rows in (1, 3):
             x = mx.random.normal((2, rows, 1, 1024), key=k2)
             got.append(
@@ -367,7 +372,7 @@ def swiglu_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx
     idx = mx.array([[0, 2, 2], [1, 3, 0]], dtype=mx.uint32)
     for bits, seed in ((2, 6), (4, 7)):
         k1, k2, k3, k4 = mx.random.split(mx.random.key(seed), 4)
-        gate, up = _random_switch(1024, 40, 4, bits, k1), _random_switch(1024, 40, 4, bits, k2)
+        gate, up = random_switch(1024, 40, 4, bits, k1), random_switch(1024, 40, 4, bits, k2)
         x = mx.random.normal((2, 1, 1, 1024), key=k3) * 8
         w = mx.random.uniform(0.1, 1.0, idx.shape, key=k4)
         limit = 0.5

@@ -1,0 +1,232 @@
+"""bitnest-doctor's kernel checks: every launch this runtime makes, run on this machine against
+the layers' pure path (did it compile, did it match), then replayed at a decode-sized shape and
+timed (GB/s beside the chip's bandwidth).
+
+The runner is a parameter: the Metal kernels on a Mac, the CPU emulator in tests (and with
+`bitnest-doctor --emulator` on Linux). Self-test shapes are the layers' own (a few KB, ragged
+edges); only the timed replay is large, and it runs on Metal only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .. import kernels
+from ..formats.bitnest.numerics import a8_codes
+from ..layers.dsv4_ops import swiglu_clamped
+from ..layers.dual_plane import project, random_linear, swiglu
+from ..layers.mxtq_linear import random_switch, rotate_input
+from ..layers.nested_kv import nest_dequantize, nest_quantize
+from ..layers.options import RunOptions
+
+Pair = tuple[mx.array, mx.array]  # (kernel output, pure-path output)
+_PURE = RunOptions(mode="target", use_kernels=False)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One kernel use: `run(runner, big)` -> (kernel, pure); `big` picks the timed shape."""
+
+    name: str
+    run: Callable[[kernels.Runner, bool], Pair]
+
+
+def _dual_plane(group: int) -> Callable[[kernels.Runner, bool], Pair]:
+    def run(runner: kernels.Runner, big: bool) -> Pair:
+        k, n = (4096, 4096) if big else (1152, 12)  # 1152: two full sweeps and a ragged third
+        lin = random_linear(k, n, group, seed=group)
+        x = mx.random.normal((1, k), key=mx.random.key(group))
+        codes, a_scale = a8_codes(x)
+        got = kernels.dual_plane_matmul(
+            codes, lin.hi, lin.lo, lin.scales, draft=False, a_scale=a_scale, runner=runner
+        )
+        return got, lin(x, _PURE)
+
+    return run
+
+
+def _grouped(gate_up: bool) -> Callable[[kernels.Runner, bool], Pair]:
+    """q/k/v stacked along N (one launch, split after), or [gate; up] with silu·up fused."""
+
+    def run(runner: kernels.Runner, big: bool) -> Pair:
+        k = 3072 if big else 1152
+        widths = (
+            ((8192, 8192) if big else (6, 6))
+            if gate_up
+            else ((3072, 1024, 1024) if big else (16, 8, 8))
+        )
+        lins = [random_linear(k, n, 128, seed=20 + i) for i, n in enumerate(widths)]
+        x = mx.random.normal((4, k), key=mx.random.key(30))
+        codes, a_scale = a8_codes(x)
+        got = kernels.dual_plane_matmul(
+            codes,
+            mx.concatenate([lin.hi for lin in lins]),
+            mx.concatenate([lin.lo for lin in lins]),
+            mx.concatenate([lin.scales for lin in lins]),
+            draft=False,
+            a_scale=a_scale,
+            gate_up=gate_up,
+            runner=runner,
+        )
+        if gate_up:
+            return got, swiglu(x, *lins, _PURE)
+        return got, mx.concatenate(project(x, lins, _PURE), axis=-1)
+
+    return run
+
+
+def _attention(draft: bool, rows: int) -> Callable[[kernels.Runner, bool], Pair]:
+    """Both passes (key splits, then their log-sum-exp merge) at head_dim 128, GQA 2."""
+
+    def run(runner: kernels.Runner, big: bool) -> Pair:
+        n_kv, heads, group = (4096, 8, 64) if big else (300, 2, 32)
+        k1, k2, k3 = mx.random.split(mx.random.key(2), 3)
+        q = mx.random.normal((1, 2 * heads, rows, 128), key=k1)
+        kp = nest_quantize(mx.random.normal((1, heads, n_kv, 128), key=k2) * 2, group)
+        vp = nest_quantize(mx.random.normal((1, heads, n_kv, 128), key=k3), group)
+        scale = 128**-0.5
+        got = kernels.nested_kv_attention(
+            q, kp, vp, draft=draft, scale=scale, group=group, runner=runner
+        )
+        k, v = (mx.repeat(nest_dequantize(*p, group, draft), 2, axis=1) for p in (kp, vp))
+        mask = "causal" if rows > 1 else None
+        return got, mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+    return run
+
+
+def _hadamard(runner: kernels.Runner, big: bool) -> Pair:
+    rows = 512 if big else 2
+    k1, k2 = mx.random.split(mx.random.key(4))
+    x = mx.random.normal((rows, 4096), key=k1)
+    s = mx.where(mx.random.uniform(shape=(4096,), key=k2) < 0.5, -1.0, 1.0)
+    return kernels.hadamard_rotate(x, s, runner), rotate_input(x, s)
+
+
+def _routed(bits: int, fused: bool) -> Callable[[kernels.Runner, bool], Pair]:
+    """One token's routed experts at M = 1: a gather (shared x), or gate + up + SwiGLU fused."""
+
+    def run(runner: kernels.Runner, big: bool) -> Pair:
+        n_in, n_out, experts = (4096, 2048, 16) if big else (1024, 40, 4)
+        idx = mx.array([[0, 2, 2, 1, 3, 0]], dtype=mx.uint32) % experts
+        keys = mx.random.split(mx.random.key(bits), 4)
+        gate, up = (random_switch(n_in, n_out, experts, bits, keys[i]) for i in range(2))
+        gate.use_kernels = up.use_kernels = False  # the reference is the pure path
+        x = mx.random.normal((1, 1, 1, n_in), key=keys[2]) * 8
+        xr = gate.rotate(x)
+        want = gate.apply_rotated(xr, idx)[..., 0, :]
+        if not fused:
+            got = kernels.mxtq_gather_matvec(
+                xr[:, :, 0, :], idx, gate.tq_packed, gate.tq_norms, gate.codebook, bits, runner
+            )
+            return got, want
+        w = mx.random.uniform(0.1, 1.0, idx.shape, key=keys[3])
+        u = up.apply_rotated(xr, idx)[..., 0, :]
+        got = kernels.mxtq_gather_swiglu(
+            xr[:, :, 0, :],
+            idx,
+            (gate.tq_packed, gate.tq_norms),
+            (up.tq_packed, up.tq_norms),
+            gate.codebook,
+            bits,
+            0.5,
+            w,
+            runner,
+        )
+        return got, swiglu_clamped(want, u, 0.5) * w[..., None]
+
+    return run
+
+
+CHECKS = (
+    *(Check(f"dual-plane A8 qmv, group {g}", _dual_plane(g)) for g in (32, 64, 128)),
+    Check("dual-plane grouped q/k/v (one launch)", _grouped(gate_up=False)),
+    Check("dual-plane gate/up + SiLU·up epilogue", _grouped(gate_up=True)),
+    Check("nested-KV attention KV4, L=1 (+ merge)", _attention(draft=True, rows=1)),
+    Check("nested-KV attention KV8, L=4 (+ merge)", _attention(draft=False, rows=4)),
+    Check("Hadamard rotation d=4096", _hadamard),
+    *(Check(f"MXTQ gather {b}-bit", _routed(b, fused=False)) for b in (2, 4)),
+    *(Check(f"MXTQ gate+up+SwiGLU {b}-bit (fused)", _routed(b, fused=True)) for b in (2, 4)),
+)
+
+
+class Recorder:
+    """A runner that keeps every launch, evaluates each at once (so a compile error is pinned
+    on its kernel) and notes which kernels compiled."""
+
+    def __init__(self, runner: kernels.Runner):
+        self.runner = runner
+        self.launches: list[kernels.Launch] = []
+        self.compiled: dict[str, str] = {}
+
+    def __call__(self, launch: kernels.Launch) -> list[mx.array]:
+        self.launches.append(launch)
+        try:
+            outputs = self.runner(launch)
+            mx.eval(outputs)
+        except Exception as e:
+            self.compiled[launch.spec.name] = f"{type(e).__name__}: {e}".splitlines()[0]
+            raise
+        self.compiled.setdefault(launch.spec.name, "yes")
+        return outputs
+
+
+def streamed_bytes(launches: list[kernels.Launch]) -> int:
+    """Bytes the launches read (every input once) and write."""
+    read = sum(getattr(a, "nbytes", 0) for launch in launches for a in launch.inputs)
+    written = sum(
+        math.prod(shape) * dtype.size
+        for launch in launches
+        for shape, dtype in zip(launch.output_shapes, launch.output_dtypes)
+    )
+    return read + written
+
+
+def replay_gbps(launches: list[kernels.Launch], runner: kernels.Runner, repeats: int) -> float:
+    """GB/s of `repeats` replays of the launches (inputs already evaluated; one warm-up)."""
+    mx.eval([a for launch in launches for a in launch.inputs if isinstance(a, mx.array)])
+    mx.eval([runner(launch) for launch in launches])
+    tic = time.perf_counter()
+    outputs = [runner(launch) for _ in range(repeats) for launch in launches]
+    mx.eval(outputs)
+    seconds = time.perf_counter() - tic
+    return streamed_bytes(launches) * repeats / seconds / 1e9
+
+
+def run_checks(
+    runner: kernels.Runner,
+    repeats: int,
+    big: bool,
+    peak_gbs: float | None,
+    checks: tuple[Check, ...] = CHECKS,
+) -> dict:
+    """{"checks": [...], "compiled": {kernel: "yes" | error | "not launched"}} (docs/kernels.md
+    "What a healthy doctor report looks like" has the fields)."""
+    compiled: dict[str, str] = {}
+    rows = []
+    for check in checks:
+        rec = Recorder(runner)
+        status = kernels.check(lambda r, c=check: c.run(r, False), rec)
+        compiled.update(rec.compiled)
+        row = {
+            "name": check.name,
+            "kernels": sorted({launch.spec.name for launch in rec.launches}),
+            "compiled": bool(rec.launches) and all(v == "yes" for v in rec.compiled.values()),
+            "self_test": "passed" if status == "ok" else f"failed: {status}",
+            "gbps": None,
+            "peak_fraction": None,
+        }
+        if status == "ok" and repeats > 0:
+            timed = Recorder(runner)
+            check.run(timed, big)  # the pure reference stays lazy: never computed
+            row["gbps"] = replay_gbps(timed.launches, runner, repeats)
+            if peak_gbs:
+                row["peak_fraction"] = row["gbps"] / peak_gbs
+        rows.append(row)
+    every = {spec.name: compiled.get(spec.name, "not launched") for spec in kernels.SPECS}
+    return {"checks": rows, "compiled": every}
