@@ -8,6 +8,7 @@ tensors that rank holds. The tiny demo bundle and random weights are in demo.py.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import mlx.core as mx
@@ -135,13 +136,8 @@ def bundle_tokenizer(path: str | Path, config: dict | None = None):
     return load_tokenizer(path, eos_token_ids=eos)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m bitnest_mlx.dsv4 make-bundle --layers N --out DIR [--tiny]`: a synthetic
-    bundle at DeepSeek-V4-Flash's per-layer dimensions (formats/dsv4_synthetic.py)."""
-    import argparse
-
-    from .formats import dsv4_synthetic
-
+def build_parser() -> argparse.ArgumentParser:
+    """`make-bundle`'s parser (see `main`)."""
     p = argparse.ArgumentParser(prog="python -m bitnest_mlx.dsv4")
     sub = p.add_subparsers(dest="command", required=True)
     make = sub.add_parser(
@@ -160,6 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     make.add_argument("--tiny", action="store_true", help="toy dimensions (tests)")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--max-shard-gb", type=float, default=1.0, help="largest shard (GB)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bitnest_mlx.dsv4 make-bundle --layers N --out DIR [--tiny]`: a synthetic
+    bundle at DeepSeek-V4-Flash's per-layer dimensions (formats/dsv4_synthetic.py)."""
+    from .formats import dsv4_synthetic
+
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         path = dsv4_synthetic.write(

@@ -58,7 +58,7 @@ def read_text(path: str | Path) -> str:
         ) from e
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> Parser:
     p = Parser(
         prog="python -m bitnest_mlx.eval",
         description="Perplexity and bits per byte of a bitnest package on a text file, with the "
@@ -140,7 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     add_draft_kv(p)
     add_verify(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         text = read_text(args.text)  # before the model: a bad file is refused at once
         model, tokenizer = load(resolve_model(args.model), verify=args.verify)
