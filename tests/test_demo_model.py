@@ -126,10 +126,11 @@ def test_every_command_takes_model_demo(tmp_path, capsys):
 
     from bitnest_mlx.cli import bench, generate
     from bitnest_mlx.cli import eval as eval_cli
-    from bitnest_mlx.cli.server import server_argv
+    from bitnest_mlx.cli.server import build_parser, resolved
 
     pkg = str(demo_path())
-    assert server_argv(["--model", "demo"]) == ["--model", pkg, "--draft-model", pkg + "#draft"]
+    served = resolved(build_parser().parse_args(["--model", "demo"]))
+    assert (served.model, served.draft_model) == (pkg, pkg + "#draft")
     assert bench.build_parser().parse_args([]).model == "demo"
     assert generate.main(["--model", "demo", "--max-tokens", "3", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["stats"]["generation_tokens"] == 3
