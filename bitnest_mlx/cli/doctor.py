@@ -92,7 +92,10 @@ def system() -> dict:
 def kernel_report(runner: kernels.Runner | None, repeats: int, peak_gbs: float | None) -> dict:
     """The kernel checks through `runner` (None: the Metal kernels, when there is Metal)."""
     if runner is None and not mx.metal.is_available():
-        reason = "no Metal device: the pure-MLX path serves every call (--emulator self-tests)"
+        reason = (
+            "no Metal device (the pure-MLX path serves every call; --emulator runs the "
+            "kernels' self-tests in the CPU emulator)"
+        )
         return {"runner": None, "available": False, "reason": reason, "compiled": {}, "checks": []}
     metal = runner is None
     name = "metal" if metal else ("emulator" if "emulator" in runner.__module__ else "custom")
