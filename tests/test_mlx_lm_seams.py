@@ -33,7 +33,7 @@ def _mlx_lm_server_args(monkeypatch, argv: list[str]) -> argparse.Namespace:
     monkeypatch.setattr(mlx_server, "run", lambda host, port, provider: seen.append(provider))
     monkeypatch.setattr(mlx_server, "ModelProvider", lambda args: args)
     monkeypatch.setattr(mlx_server, "maybe_set_recommended_wired_limit", lambda: None)
-    mlx_server.main.__wrapped__() if hasattr(mlx_server.main, "__wrapped__") else mlx_server.main()
+    mlx_server.main()
     return seen[0]
 
 
