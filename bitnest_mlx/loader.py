@@ -86,9 +86,11 @@ def checked_tokenizer(
     safetensors_io.check_tokenizer_files(Path(path), error)
     try:
         return load(path, *args, **kwargs)
-    except error:
+    except (error, KeyboardInterrupt, SystemExit):
         raise
-    except Exception as e:  # tokenizers/transformers raise their own types with their wording
+    # tokenizers/transformers raise their own types with their wording; a panic in the Rust
+    # tokenizer is pyo3's PanicException, a BaseException.
+    except BaseException as e:
         raise error(
             f"{path}: the tokenizer files could not be loaded ({type(e).__name__}: {e})"
         ) from e
