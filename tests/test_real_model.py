@@ -1,5 +1,6 @@
 """Real-model checks; each skipped unless its GGUF is in the cache (examples/real_model.py
-fetches Qwen, examples/realmodels.py SmolLM2)."""
+fetches Qwen, examples/realmodels.py SmolLM2). Marked `real_model`: the default run (and CI, where
+no real model is fetched) deselects them; `python -m pytest -m real_model` runs them."""
 
 import os
 from pathlib import Path
@@ -13,6 +14,7 @@ CACHE = Path(
 GGUF = CACHE / "qwen2.5-coder-0.5b-instruct.gguf"
 SMOLLM2 = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+pytestmark = pytest.mark.real_model
 needs_qwen = pytest.mark.skipif(
     not GGUF.is_file(), reason=f"real model not fetched ({GGUF}); run examples/real_model.py"
 )
