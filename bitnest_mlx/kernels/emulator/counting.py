@@ -306,14 +306,22 @@ def _build(source: str) -> tuple[str, tuple[Counter, ...]]:
         )
     tu = _count_tu(source)
     digest = hashlib.sha256((clang + tu).encode()).hexdigest()[:16]
-    base = emulate.build_dir() / f"count{digest}"
+    # Private to this process (the build directory is shared) and removed once loaded: the
+    # counters live in the loaded library, which this process alone uses (`emulate.load` caches
+    # it by path).
+    base = emulate.build_dir() / f"count{digest}.{os.getpid()}"
     src, ll, lib = (Path(f"{base}{ext}") for ext in (".cpp", ".ll", ".so"))
     src.write_text(tu)
     flags = ["-std=c++17", "-fPIC", "-Wno-unknown-attributes", "-I", str(emulate.HERE)]
-    _sh([clang, *flags, *OPT, "-S", "-emit-llvm", "-o", str(ll), str(src)])
-    inst = instrument(ll.read_text())
-    ll.write_text(inst.ir)
-    _sh([clang, "-O1", "-shared", "-fPIC", "-Wno-override-module", "-o", str(lib), str(ll)])
+    try:
+        _sh([clang, *flags, *OPT, "-S", "-emit-llvm", "-o", str(ll), str(src)])
+        inst = instrument(ll.read_text())
+        ll.write_text(inst.ir)
+        _sh([clang, "-O1", "-shared", "-fPIC", "-Wno-override-module", "-o", str(lib), str(ll)])
+        emulate.load(str(lib))
+    finally:
+        for f in (src, ll, lib):
+            f.unlink(missing_ok=True)
     return str(lib), tuple(inst.blocks)
 
 

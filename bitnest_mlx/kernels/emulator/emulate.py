@@ -164,24 +164,37 @@ def translation_unit(source: str, text: str | None = None) -> str:
 
 @cache
 def build_dir() -> Path:
-    """Where compiled libraries are cached for this process (one per distinct text)."""
-    return Path(tempfile.mkdtemp(prefix="bitnest-metal-emu-"))
+    """Where compiled libraries are kept, shared by this user's processes: each is named by the
+    hash of everything it is built from, and written under a private name then renamed, so
+    processes never see a partial library and never rebuild one another's (one folder, not
+    one per process left behind in the temp directory)."""
+    path = Path(tempfile.gettempdir()) / f"bitnest-metal-emu-{os.getuid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+@cache
+def _headers() -> str:
+    """The emulator's headers: a library built against older ones must not be reused."""
+    return "".join(f.read_text() for f in sorted(HERE.glob("*.h")))
 
 
 def compile_source(source: str) -> ctypes.CDLL:
     """g++-compile the generated source with its launcher; one library per distinct text."""
     tu = translation_unit(source)
-    digest = hashlib.sha256((CXX + tu).encode()).hexdigest()[:16]
+    digest = hashlib.sha256((CXX + _headers() + tu).encode()).hexdigest()[:16]
     lib = build_dir() / f"k{digest}.so"
     if not lib.exists():
-        src = lib.with_suffix(".cpp")
+        private = build_dir() / f"k{digest}.{os.getpid()}"
+        src = private.with_suffix(".cpp")
         src.write_text(tu)
         cmd = [CXX, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-attributes"]
-        cmd += ["-I", str(HERE), "-o", str(lib) + ".tmp", str(src)]
+        cmd += ["-I", str(HERE), "-o", str(private) + ".so", str(src)]
         r = subprocess.run(cmd, capture_output=True, text=True)
+        src.unlink()
         if r.returncode:
             raise RuntimeError(f"emulator compile failed:\n{r.stderr[-4000:]}")
-        os.replace(str(lib) + ".tmp", lib)
+        os.replace(str(private) + ".so", lib)
     return load(str(lib))
 
 
