@@ -5,7 +5,7 @@
    indices and attributes, body, template instantiation) instead of failing for lack of Metal.
 2. `compile_source`: that text between metal_emu_begin.h / metal_emu_end.h, plus a generated
    launcher that binds buffer i to bufs[i] and each attribute to the emulated thread's value,
-   built with g++ into a shared library (cached per process by content hash).
+   built with g++ into a shared library (kept by content hash in one folder per user).
 3. `run(launch)`: NumPy buffers in MLX's order, outputs poisoned (NaN / 0xAB bytes) unless the
    launch has an init_value, so an unwritten output element shows up.
 """
