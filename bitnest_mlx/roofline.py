@@ -14,13 +14,21 @@ import mlx.nn as nn
 
 from .layers.dual_plane import DualPlaneLinear
 
-# Peak memory bandwidth (GB/s, Apple specifications).
+# Peak memory bandwidth (GB/s, Apple specifications) of each chip name's largest configuration:
+# the one table (bench's achieved fraction and its kernel cost estimates read it too).
+PEAK_GBS = {
+    "M1": 68.25, "M1 Pro": 200, "M1 Max": 400, "M1 Ultra": 800,
+    "M2": 100, "M2 Pro": 200, "M2 Max": 400, "M2 Ultra": 800,
+    "M3": 100, "M3 Pro": 150, "M3 Max": 400, "M3 Ultra": 819,
+    "M4": 120, "M4 Pro": 273, "M4 Max": 546,
+}  # fmt: skip
+# The chips the roofline's tok/s ceilings are reported for.
 CHIPS = {
-    "M4 Pro": 273,
-    "M1/M2/M3 Max": 400,
-    "M4 Max": 546,
-    "M2 Ultra": 800,
-    "M3 Ultra": 819,
+    "M4 Pro": PEAK_GBS["M4 Pro"],
+    "M1/M2/M3 Max": PEAK_GBS["M1 Max"],
+    "M4 Max": PEAK_GBS["M4 Max"],
+    "M2 Ultra": PEAK_GBS["M2 Ultra"],
+    "M3 Ultra": PEAK_GBS["M3 Ultra"],
 }
 
 # `auto` lets the draft read KV8 while that costs it at most this fraction of its KV4 bytes per

@@ -26,7 +26,7 @@ from ..demo import DEMO, resolve_model
 from ..hub import resolve
 from ..loader import LOAD_ERRORS, load, supports_draft
 from ..roofline import CHIPS as CHIPS  # re-exported: the bench's face of the roofline
-from ..roofline import resolve_draft_kv, roofline
+from ..roofline import PEAK_GBS, resolve_draft_kv, roofline
 from ..sampling import make_sampler
 from . import kernel_costs
 from .args import (
@@ -40,18 +40,11 @@ from .args import (
     refuse,
 )
 
-# Peak memory bandwidth (GB/s) by chip name, for the achieved-bandwidth fraction on Metal. The
-# longest matching name wins ("M4 Max" before "M4"); binned parts (e.g. 300 GB/s M3 Max) differ.
-PEAK_GBS = {
-    "M1": 68, "M1 Pro": 200, "M1 Max": 400, "M1 Ultra": 800,
-    "M2": 100, "M2 Pro": 200, "M2 Max": 400, "M2 Ultra": 800,
-    "M3": 100, "M3 Pro": 150, "M3 Max": 400, "M3 Ultra": 819,
-    "M4": 120, "M4 Pro": 273, "M4 Max": 546,
-}  # fmt: skip
-
 
 def chip_peak() -> tuple[str, float] | None:
-    """(device name, peak GB/s) of this Mac's GPU, or None off Metal / for an unknown chip."""
+    """(device name, peak GB/s) of this Mac's GPU, or None off Metal / for an unknown chip. The
+    longest matching name in `PEAK_GBS` wins ("M4 Max" before "M4"); binned parts (e.g. the
+    300 GB/s M3 Max) differ from it."""
     if not mx.metal.is_available():
         return None
     name = str(mx.metal.device_info().get("device_name", ""))

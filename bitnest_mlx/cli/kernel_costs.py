@@ -11,6 +11,8 @@ import json
 import shutil
 from dataclasses import dataclass
 
+from ..roofline import PEAK_GBS
+
 
 @dataclass(frozen=True)
 class Chip:
@@ -32,22 +34,22 @@ class Chip:
         return self.alus * self.clock_ghz * stream_bytes / self.bandwidth_gbs
 
 
-# Bandwidth and GPU cores: Apple's specifications. Clocks: M1 and M2 families from
+# Bandwidth: roofline.PEAK_GBS. GPU cores: Apple's specifications. Clocks: M1 and M2 families from
 # philipturner/metal-benchmarks; M3 and M4 from third-party spec tables (hmc-tech.com), which
 # Apple does not publish, so treat them as approximate.
 CHIPS = (
-    Chip("M1", 68.25, 8, 1.278),
-    Chip("M1 Pro", 200, 16, 1.296),
-    Chip("M1 Max", 400, 32, 1.296),
-    Chip("M2", 100, 10, 1.398),
-    Chip("M2 Pro", 200, 19, 1.398),
-    Chip("M2 Max", 400, 38, 1.398),
-    Chip("M3", 100, 10, 1.398),
-    Chip("M3 Pro", 150, 18, 1.398),
-    Chip("M3 Max", 400, 40, 1.398),
-    Chip("M4", 120, 10, 1.578),
-    Chip("M4 Pro", 273, 20, 1.578),
-    Chip("M4 Max", 546, 40, 1.578),
+    Chip("M1", PEAK_GBS["M1"], 8, 1.278),
+    Chip("M1 Pro", PEAK_GBS["M1 Pro"], 16, 1.296),
+    Chip("M1 Max", PEAK_GBS["M1 Max"], 32, 1.296),
+    Chip("M2", PEAK_GBS["M2"], 10, 1.398),
+    Chip("M2 Pro", PEAK_GBS["M2 Pro"], 19, 1.398),
+    Chip("M2 Max", PEAK_GBS["M2 Max"], 38, 1.398),
+    Chip("M3", PEAK_GBS["M3"], 10, 1.398),
+    Chip("M3 Pro", PEAK_GBS["M3 Pro"], 18, 1.398),
+    Chip("M3 Max", PEAK_GBS["M3 Max"], 40, 1.398),
+    Chip("M4", PEAK_GBS["M4"], 10, 1.578),
+    Chip("M4 Pro", PEAK_GBS["M4 Pro"], 20, 1.578),
+    Chip("M4 Max", PEAK_GBS["M4 Max"], 40, 1.578),
 )
 
 
