@@ -539,3 +539,31 @@ def dsv4_model(weights: dict[str, np.ndarray], **overrides):
     model = Model(args_from_config({**TINY_CONFIG, **overrides}))
     model.load_weights([(k, mx.array(v)) for k, v in weights.items()], strict=True)
     return model
+
+
+def break_package(pkg: Path, how: str) -> tuple[str, str]:
+    """Break package `pkg` (from `make_package`) in one way; (the path the error must name, a
+    phrase it must contain)."""
+    if how == "truncated shard":
+        broken = pkg / sorted(set(shard(pkg).values()))[-1]
+        broken.write_bytes(broken.read_bytes()[:-1000])
+        return str(broken), "truncated"
+    if how == "header one byte short":  # mx.load would read every tensor shifted by a byte
+        broken = pkg / sorted(set(shard(pkg).values()))[-1]
+        data = bytearray(broken.read_bytes())
+        data[:8] = (int.from_bytes(data[:8], "little") - 1).to_bytes(8, "little")
+        broken.write_bytes(bytes(data))
+        return str(broken), "safetensors"
+    if how == "broken tokenizer_config.json":  # parsed by transformers: our line first
+        (pkg / "tokenizer_config.json").write_text('{"tokenizer_class": ')
+        return str(pkg / "tokenizer_config.json"), "unreadable JSON"
+    if how == "no manifest":  # config.json still says model_type bitnest
+        (pkg / "bitnest.json").unlink()
+        return str(pkg), "no manifest"
+    if how == "no config.json":
+        (pkg / "config.json").unlink()
+        return str(pkg / "config.json"), "missing"
+    assert how == "no tokenizer"
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (pkg / f).unlink()
+    return str(pkg), "no tokenizer files"

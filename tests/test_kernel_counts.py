@@ -4,30 +4,17 @@ about the dual-plane kernel; `bench --kernels` turns them into estimated cycles.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 import mlx.core as mx
 import pytest
 import tools
+from metal_emu.emulator import InlineSpec
 
 from bitnest_mlx import kernels
 from bitnest_mlx.cli import bench, kernel_costs
 from bitnest_mlx.kernels.emulator import counting, emulate, profile
 
 needs_compilers = tools.needs(emulate.CXX, counting.CLANG, why="operation counts build with both")
-
-
-@dataclass(frozen=True)
-class InlineSpec(kernels.KernelSpec):
-    body: str = ""
-
-    @property
-    def source(self) -> str:
-        return self.body
-
-    @property
-    def header(self) -> str:
-        return ""
 
 
 def count_inline(body: str, threads: int) -> counting.Counts:

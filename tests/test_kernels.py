@@ -9,7 +9,6 @@ comparisons run on the GPU. Nothing here runs real Metal on Linux.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from unittest import mock
 
 import mlx.core as mx
@@ -20,6 +19,7 @@ import pytest
 import tools
 from factory import make_package
 from metal_emu import emulator, syntax
+from metal_emu.emulator import InlineSpec
 
 import bitnest_mlx
 from bitnest_mlx import kernels
@@ -321,21 +321,6 @@ def test_emulator_test_fails_when_the_kernel_assumes_128_column_groups():
     call, want, rel = build("dual_plane", "m4_target_a8_token_g64_k320")
     got = call(emulator.run, mutate=lambda src: src.replace("k0 / GS", "k0 / 128"))
     assert not close(got, want, rel)
-
-
-@dataclass(frozen=True)
-class InlineSpec(kernels.KernelSpec):
-    """A throwaway kernel for testing the emulator itself."""
-
-    body: str = ""
-
-    @property
-    def source(self) -> str:
-        return self.body
-
-    @property
-    def header(self) -> str:
-        return ""
 
 
 def run_inline(body: str, inputs: list, n: int, grid, tg) -> np.ndarray:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from factory import make_package, shard
+from factory import break_package, make_package
 
 import bitnest_mlx
 from bitnest_mlx.demo import demo_path, write_tokenizer
@@ -210,33 +210,6 @@ def test_prompt_cache_file_round_trip_restores_nested_cache(mlx_lm, package, tmp
 
 # ---------------------------------------------------------------------------------------------
 # Broken packages: our one-line errors, from mlx_lm.load and from mlx-lm's CLI
-
-
-def break_package(pkg: Path, how: str) -> tuple[str, str]:
-    """Break `pkg` in one way; (the path the error must name, a phrase it must contain)."""
-    if how == "truncated shard":
-        broken = pkg / sorted(set(shard(pkg).values()))[-1]
-        broken.write_bytes(broken.read_bytes()[:-1000])
-        return str(broken), "truncated"
-    if how == "header one byte short":  # mx.load would read every tensor shifted by a byte
-        broken = pkg / sorted(set(shard(pkg).values()))[-1]
-        data = bytearray(broken.read_bytes())
-        data[:8] = (int.from_bytes(data[:8], "little") - 1).to_bytes(8, "little")
-        broken.write_bytes(bytes(data))
-        return str(broken), "safetensors"
-    if how == "broken tokenizer_config.json":  # parsed by transformers: our line first
-        (pkg / "tokenizer_config.json").write_text('{"tokenizer_class": ')
-        return str(pkg / "tokenizer_config.json"), "unreadable JSON"
-    if how == "no manifest":  # config.json still says model_type bitnest
-        (pkg / "bitnest.json").unlink()
-        return str(pkg), "no manifest"
-    if how == "no config.json":
-        (pkg / "config.json").unlink()
-        return str(pkg / "config.json"), "missing"
-    assert how == "no tokenizer"
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        (pkg / f).unlink()
-    return str(pkg), "no tokenizer files"
 
 
 @pytest.fixture

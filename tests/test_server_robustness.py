@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from factory import make_package, shard  # noqa: E402
+from factory import break_package, make_package  # noqa: E402
 from server_process import (  # noqa: E402
     START_TIMEOUT,
     disconnect_mid_stream,
@@ -80,29 +80,8 @@ def assert_healthy(url: str, log: Path) -> None:
 # Start-up
 
 
-def break_package(pkg: Path, how: str) -> tuple[str, str]:
-    """(the path the error must name, a phrase it must contain)."""
-    if how == "truncated shard":
-        broken = pkg / sorted(set(shard(pkg).values()))[-1]
-        broken.write_bytes(broken.read_bytes()[:-1000])
-        return str(broken), "truncated"
-    if how == "header one byte short":  # mx.load would read every tensor shifted by a byte
-        broken = pkg / sorted(set(shard(pkg).values()))[-1]
-        data = bytearray(broken.read_bytes())
-        data[:8] = (int.from_bytes(data[:8], "little") - 1).to_bytes(8, "little")
-        broken.write_bytes(bytes(data))
-        return str(broken), "safetensors"
-    if how == "broken tokenizer_config.json":  # parsed by transformers: our line first
-        (pkg / "tokenizer_config.json").write_text('{"tokenizer_class": ')
-        return str(pkg / "tokenizer_config.json"), "unreadable JSON"
-    # Found only after the model was built (in the generation thread): the exit must still be
-    # clean, not MLX's abort at interpreter shutdown.
-    assert how == "no tokenizer"
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        (pkg / f).unlink()
-    return str(pkg), "no tokenizer files"
-
-
+# "no tokenizer" is found only after the model was built (in the generation thread): the exit
+# must still be clean, not MLX's abort at interpreter shutdown.
 @pytest.mark.parametrize(
     "how",
     ["truncated shard", "header one byte short", "broken tokenizer_config.json", "no tokenizer"],
