@@ -37,7 +37,8 @@ class Factor:
     def __init__(
         self, h: np.ndarray, damp: float, act_order: bool = False, dtype: type = np.float32
     ):
-        h = h.astype(np.float64)
+        # Read only (the undamped Hessian of the error accounts): no copy of a float64 one.
+        h = np.asarray(h, dtype=np.float64)
         self.h = h
         self.dead = np.diag(h) == 0  # inputs that are always zero: their weights cannot matter
         self.order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(len(h))
