@@ -40,20 +40,40 @@ KV8_BUDGET = 0.10
 DRAFT_KV_POLICIES = (4, 8, "auto")
 
 
+def _linear_bytes(m: DualPlaneLinear) -> tuple[int, int]:
+    """(draft, target) bytes one Linear reads per token: the draft reads the hi plane once; the
+    target runs two 4-bit matmuls (hi, lo) that both read scales and biases."""
+    plane = m.hi.size * 4  # uint32 words of 8 nibbles
+    scales_and_biases = 2 * m.scales.size * 2
+    bias = m.bias.size * 2 if "bias" in m else 0
+    return plane + scales_and_biases + bias, 2 * plane + 2 * scales_and_biases + bias
+
+
+def head_bytes(model: nn.Module) -> dict[str, int]:
+    """The lm_head's share of `weight_bytes`: all V rows for the target, the reduced draft
+    vocabulary's K rows (and their ids) for the draft when the model has one (§2.9)."""
+    draft, target = _linear_bytes(model.lm_head)
+    head = getattr(model, "draft_head", None)
+    if head is not None:
+        draft = _linear_bytes(head.rows)[0] + head.ids.size * 4
+    return {"draft": draft, "target": target}
+
+
 def weight_bytes(model: nn.Module) -> dict[str, int]:
     """Weight bytes read per token by the draft and the target, as on Metal (fp16 scales; MLX's
-    affine biases = -8·scales, read alongside), plus one embedding row. The draft reads the hi
-    plane once; the target runs two 4-bit matmuls (hi, lo) that both read scales and biases."""
+    affine biases = -8·scales, read alongside), plus one embedding row (`_linear_bytes`); the
+    lm_head as `head_bytes` counts it."""
     draft = target = 0
-    for _, m in model.named_modules():
-        if isinstance(m, DualPlaneLinear):
-            plane = m.hi.size * 4  # uint32 words of 8 nibbles
-            scales_and_biases = 2 * m.scales.size * 2
-            bias = m.bias.size * 2 if "bias" in m else 0
-            draft += plane + scales_and_biases + bias
-            target += 2 * plane + 2 * scales_and_biases + bias
+    for name, m in model.named_modules():
+        if isinstance(m, DualPlaneLinear) and name != "lm_head" and not name.startswith("draft_"):
+            d, t = _linear_bytes(m)
+            draft, target = draft + d, target + t
+    head = head_bytes(model)
     embed_row = model.args.hidden_size * 2
-    return {"draft": draft + embed_row, "target": target + embed_row}
+    return {
+        "draft": draft + head["draft"] + embed_row,
+        "target": target + head["target"] + embed_row,
+    }
 
 
 def kv_bytes(args) -> dict[int, int]:
@@ -74,6 +94,7 @@ def roofline(model: nn.Module, context: int, draft_kv: int = 4) -> dict:
         "context_tokens": context,
         "draft_kv": draft_kv,
         "weight_bytes_per_token": weights,
+        "lm_head_bytes_per_token": head_bytes(model),
         "kv_bytes_per_context_token": per_context,
         "bytes_per_token": per_token,
         "ceiling_tps": {

@@ -93,12 +93,20 @@ PACKAGES = {  # label: (package directory, convert() options beside the defaults
     "gptq+hadamard": ("pkg-gptq-hadamard", {"method": "gptq", **CALIB_8K}),
     "rtn+hadamard": ("pkg-rtn-hadamard", {"method": "rtn"}),
     "rtn, no rotation": ("pkg-rtn-none", {"method": "rtn", "rotate_kind": "none"}),
+    # Issue 28: the draft's grid (group size) and the method, on the default calibration size.
+    "joint g64+hadamard": ("pkg-joint-g64", {"group_size": 64}),
+    "joint g32+hadamard": ("pkg-joint-g32", {"group_size": 32}),
+    "gptq g64+hadamard": ("pkg-gptq-g64", {"method": "gptq", "group_size": 64}),
 }
 
 
 # SmolLM2-135M (Llama): the converter's defaults only, beside mlx-lm at the groups its hidden
 # size (576 = 4.5 x 128) allows, in the source basis and with the norms folded.
-SMOLLM2_PACKAGES = {DEFAULT: ("smollm2-pkg-default", {})}
+SMOLLM2_PACKAGES = {
+    DEFAULT: ("smollm2-pkg-default", {}),
+    "joint g32+hadamard": ("smollm2-pkg-g32", {"group_size": 32}),
+    "gptq g64+hadamard": ("smollm2-pkg-gptq-g64", {"method": "gptq", "group_size": 64}),
+}
 MLX_LM_GROUPS = {
     "qwen": ((8, 128), (4, 128), (4, 64)),
     "smollm2": ((8, 64), (4, 64), (8, 32), (4, 32)),

@@ -15,6 +15,8 @@ from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.rope_utils import initialize_rope
 
 from bitnest_mlx.formats.bitnest import LAYER_LINEARS, PackageSpec, norm_names
+from bitnest_mlx.formats.bitnest.draft_vocab import DRAFT_VOCAB
+from bitnest_mlx.layers.draft_vocab import DraftVocabHead
 from bitnest_mlx.layers.dual_plane import DualPlaneLinear, project, swiglu
 from bitnest_mlx.layers.hadamard import OnlineHadamard
 from bitnest_mlx.layers.nested_kv import NestedKVCache
@@ -151,6 +153,12 @@ class Model(nn.Module):
         self.lm_head = DualPlaneLinear(
             args.hidden_size, args.vocab_size, group_size=args.group_size
         )
+        # The draft's lm_head over the package's reduced vocabulary (§2.9), or None: all rows.
+        self.draft_head = None
+        if args.draft_vocab:
+            self.draft_head = DraftVocabHead(
+                args.hidden_size, args.vocab_size, args.draft_vocab, args.group_size
+            )
         self.norm = mx.ones((args.hidden_size,)) if args.smoothing else None  # as in the layers
         self.options = RunOptions()
 
@@ -179,7 +187,10 @@ class Model(nn.Module):
         mask = create_attention_mask(h, cache[0])
         for layer, c in zip(self.layers, cache):
             h = layer(h, mask, c, o)
-        return self.lm_head(mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps), o)
+        h = mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps)
+        if o.draft and o.draft_vocab and self.draft_head is not None:
+            return self.draft_head(h, o)
+        return self.lm_head(h, o)
 
     def make_cache(self, options: RunOptions | None = None) -> list[NestedKVCache]:
         quantized = (options or self.options).quantize_kv
@@ -196,6 +207,8 @@ class Model(nn.Module):
             if r4 is not None and r4.k > 1:
                 out[f"model.layers.{i}.mlp.r4.had_k"] = tensors[f"aux.had_K.{r4.k}"]
         out.update(DualPlaneLinear.prepare(tensors, "lm_head", dtype))
+        if self.args.draft_vocab:
+            out.update(DraftVocabHead.prepare(tensors, tensors[DRAFT_VOCAB], "draft_head", dtype))
         if self.args.smoothing:  # norm weights are parameters only in a smoothed package
             for name in norm_names(self.args.num_hidden_layers):
                 out[name.removesuffix(".weight")] = tensors[name].astype(dtype)

@@ -36,6 +36,14 @@ def _lambda(value: str) -> float | None:
     return float(value)
 
 
+def _draft_vocab(value: str) -> int | str:
+    if value in ("auto", "full"):
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError("must be a positive number of tokens, 'auto' or 'full'")
+    return int(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="python -m bitnest_mlx.convert",
@@ -149,6 +157,17 @@ def build_parser() -> argparse.ArgumentParser:
         "it) wherever the calibration text says it lowers the W4/W8 output error (manifest "
         "norms.smoothing)",
     )
+    p.add_argument(
+        "--draft-vocab",
+        type=_draft_vocab,
+        default="auto",
+        metavar="K|auto|full",
+        help="the draft's lm_head keeps the K most frequent tokens (calibration text + the "
+        "target's generations on built-in prompts; manifest draft, tensor draft.vocab): it reads "
+        "K rows instead of the vocabulary's, while the target still verifies every token. auto "
+        "(default): the K of 8192, 16384, ... or full with the highest projected speedup by the "
+        "bytes model (a vocabulary of 8192 or fewer stays full); full: no reduction",
+    )
     return p
 
 
@@ -198,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 kv_group=args.kv_group,
                 smooth=args.smooth,
                 group_size=args.group_size,
+                draft_vocab=args.draft_vocab,
                 scratch=Path(tmp),
                 force=args.force,
             )

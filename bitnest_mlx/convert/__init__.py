@@ -14,6 +14,7 @@ import numpy as np
 
 from ..formats.bitnest import choose_group_size, linear_shapes
 from .calib import CALIB_TOKENS, calibration_tokens
+from .draft_vocab import build_draft_vocab
 from .joint import W8_BUDGET
 from .methods import Method
 from .output import OutputError, atomic_directory, check_output
@@ -51,6 +52,7 @@ def convert(
     kv_group: int = 32,
     smooth: bool = False,
     group_size: int | None = None,
+    draft_vocab: int | str = "auto",
     scratch: Path,
     force: bool = False,
 ) -> dict:
@@ -63,6 +65,8 @@ def convert(
 
     `smooth` searches per-norm smoothing vectors on the calibration text (`smoothing.py`) and
     stores those that lower the joint W4/W8 output error (manifest `norms.smoothing`).
+    `draft_vocab`: the draft's reduced vocabulary (`draft_vocab.py`): "auto" (K by the bytes
+    model), a K, or "full" (none).
     """
     if (hf_path is None) == (gguf is None):
         raise ValueError("give exactly one of hf_path or gguf")
@@ -88,7 +92,7 @@ def convert(
                 raise SourceError(f"{hf_path or gguf}: {e}") from e
             rotation = None if rotate_kind == "none" else Rotation(config, rotate_kind, seed)
             tokens = None
-            if smooth or m.calibrated:
+            if smooth or m.calibrated or draft_vocab != "full":
                 tokens = calibration_tokens(
                     _tokenizer(source.tokenizer_dir), calib, calib_tokens, calib_seq_len
                 )
@@ -143,12 +147,15 @@ def convert(
                 per_linear=per_linear,
             )
             source.close()
+            with stages("draft_vocab"):
+                draft = build_draft_vocab(tmp, tokens, draft_vocab, seed)
     finally:
         stages.close()
     layers = [s for n, s in per_linear.items() if n != "lm_head"]
     return {
         **summary,
         "out": str(out),
+        "draft_vocab": draft["vocab_size"],
         "mean_w4_rel_fro_err": round(float(np.mean([s["w4_rel_fro_err"] for s in layers])), 5),
         "mean_saturation": round(float(np.mean([s["saturation"] for s in layers])), 6),
         "max_w8_max_rel_err": max(s["w8_max_rel_err"] for s in layers),

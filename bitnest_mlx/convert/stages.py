@@ -1,4 +1,5 @@
-"""Wall time and peak resident memory per conversion stage (read, calibrate, quantize, write).
+"""Wall time and peak resident memory per conversion stage (read, calibrate, quantize, write,
+draft_vocab).
 
 The process's peak RSS (`getrusage`) only says the maximum so far, so a sampling thread reads the
 current RSS every `interval` seconds and charges it to the stage running then; the process peak
@@ -14,7 +15,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-STAGES = ("read", "calibrate", "quantize", "write")
+STAGES = ("read", "calibrate", "quantize", "write", "draft_vocab")
 _PAGE = 4096
 
 

@@ -27,6 +27,9 @@ class RunOptions:
     draft_kv: the KV a draft call reads, 4 (the hi plane, default) or 8 (both planes, as the
     target). The cache stores both planes either way; only the read differs, so the target's
     verification, and with it the exactness of speculative output, does not depend on it.
+    draft_vocab: a draft call scores only the package's reduced draft vocabulary when it has one
+    (§2.9, -inf elsewhere); False scores every row of the W4 lm_head (the W4 model itself, e.g.
+    for its perplexity, which a reduced vocabulary leaves undefined).
     """
 
     mode: str = "target"
@@ -35,6 +38,7 @@ class RunOptions:
     dense_min_rows: int = 0
     use_kernels: bool = True
     draft_kv: int = 4
+    draft_vocab: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import checksums
 from ..hadamard import is_power_of_two
+from .draft_vocab import DRAFT_VOCAB, check_ids, draft_vocab_size
 from .files import find_manifest, read_json, read_tensors
 from .layout import (
     CHECKSUMS_KEY,
@@ -190,6 +191,7 @@ def read(path: str | Path, verify: bool = False) -> Package:
     manifest_file = find_manifest(path)
     manifest = read_json(manifest_file)
     check_manifest(manifest, manifest_file)
+    draft_vocab = draft_vocab_size(manifest, manifest_file)
     config = load_config(path, manifest, manifest_file)
     kv_group = (manifest.get("kv") or {}).get("group", config["head_dim"])
     if config["head_dim"] % kv_group:
@@ -238,6 +240,21 @@ def read(path: str | Path, verify: bool = False) -> Package:
         for name in norm_names(config["num_hidden_layers"]):
             a = tensors.expect(name, mx.float32, (d,), f"; {manifest_file.name}: norms.smoothing")
             _check_smoothing(tensors.file(name), name, a)
+    if draft_vocab:
+        if draft_vocab > v:
+            raise PackageError(
+                f"{manifest_file}: draft.vocab_size = {draft_vocab}, expected at most the "
+                f"vocabulary ({v})"
+            )
+        why = f"; {manifest_file.name}: draft.vocab_size {draft_vocab}"
+        ids = tensors.expect(DRAFT_VOCAB, mx.int32, (draft_vocab,), why)
+        check_ids(tensors.file(DRAFT_VOCAB), ids, v)
+    elif DRAFT_VOCAB in tensors.found:
+        raise _fail(
+            tensors.file(DRAFT_VOCAB),
+            DRAFT_VOCAB,
+            f"a draft vocabulary, but {manifest_file.name} has no draft block (§2.9)",
+        )
 
     for name, (f, a) in tensors.found.items():
         if name in tensors.used:

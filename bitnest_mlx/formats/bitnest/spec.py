@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .draft_vocab import draft_vocab_size
 from .manifest import weight_group
 
 
@@ -35,6 +36,7 @@ class PackageSpec:
     r3: bool = False  # per-head Hadamard of q and k before the cache
     k_bias_offset: bool = False  # K cached without its bias, added back at read time
     smoothing: bool = False  # RMSNorms carry stored weights (per-channel smoothing, §2.5)
+    draft_vocab: int = 0  # K: the draft's lm_head keeps K token ids (§2.9); 0: every row
 
     @classmethod
     def from_package(cls, manifest: dict, config: dict) -> PackageSpec:
@@ -56,6 +58,7 @@ class PackageSpec:
                 "r3": kv.get("r3") is True or kv.get("r3_enabled") is True,
                 "k_bias_offset": kv.get("per_channel_offset") == "k_bias",
                 "smoothing": (manifest.get("norms") or {}).get("smoothing") is True,
+                "draft_vocab": draft_vocab_size(manifest, "bitnest.json"),
             }
         )
 

@@ -1,0 +1,145 @@
+"""Choosing a package's reduced draft vocabulary (docs/bitnest-package.md §2.9, docs/convert.md).
+
+Tokens are ranked by how often they occur in the calibration text and in the target's own
+generations on the built-in prompts (each source weighted 1, so a large calibration set does not
+drown what the model itself writes); ties go to the lower id, since BPE vocabularies number
+tokens in merge order, roughly by frequency in the tokenizer's own corpus.
+
+The size K comes from the bytes model (`roofline`): a draft over K ids reads fewer lm_head bytes
+per token (cost ratio c_K) but cannot propose a token outside them, so its acceptance falls to
+about α·coverage(K), with α the full draft's acceptance measured on those generations and
+coverage(K) the share of generated tokens inside the top K of the ranking built without them
+(held out). K maximises the projected speedup tokens(α_K, γ) / (γ·c_K + 1) at the best γ, among
+powers of two from 8192 below the vocabulary, and the full vocabulary; no constant is fitted.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..evaluation import SAMPLING, builtin_prompts
+from ..formats.bitnest.draft_vocab import add_draft_vocab
+from ..layers.draft_vocab import DraftVocabHead
+from ..roofline import iid_tokens_per_round, projected_speedup, roofline
+from ..speculative import SpeculativeStats, speculative_generate_step
+
+SMALLEST_K = 8192
+GEN_TOKENS = 128  # per built-in prompt: the target's own text, beside the calibration text
+GAMMA = 4  # the draft length of the generation runs (acceptance is measured per draft)
+GAMMAS = range(1, 9)  # the γ a projected speedup may pick
+
+
+def candidate_sizes(vocab_size: int) -> list[int]:
+    """8192, 16384, ... below the vocabulary, then the vocabulary itself (no reduction)."""
+    sizes = [k for k in (SMALLEST_K << i for i in range(32)) if k < vocab_size]
+    return [*sizes, vocab_size]
+
+
+def rank_tokens(sources: list[np.ndarray], vocab_size: int) -> np.ndarray:
+    """Every token id, most frequent first: each source's relative frequencies summed (a source
+    weighs 1 whatever its length), ties to the lower id."""
+    score = np.zeros(vocab_size)
+    for ids in sources:
+        if ids.size:
+            score += np.bincount(ids.ravel(), minlength=vocab_size)[:vocab_size] / ids.size
+    return np.lexsort((np.arange(vocab_size), -score))
+
+
+def generate_with_target(model, tokenizer, seed: int = 0) -> tuple[np.ndarray, float]:
+    """(the target's tokens on the built-in prompts, the full draft's acceptance rate on them):
+    seeded speculative runs at γ = GAMMA, whose output is the target's own sample."""
+    out, stats = [], SpeculativeStats()
+    for ids in builtin_prompts(tokenizer).values():
+        steps = speculative_generate_step(
+            mx.array(ids, dtype=mx.uint32),
+            model,
+            max_tokens=GEN_TOKENS,
+            sampler=SAMPLING,
+            num_draft_tokens=GAMMA,
+            adaptive=False,
+            fallback=False,
+            stats=stats,
+            seed=seed,
+        )
+        out += [t for t, _, _ in steps]
+    return np.array(out, dtype=np.int64), stats.acceptance_rate
+
+
+def best_speedup(alpha: float, cost_ratio: float) -> tuple[float, int]:
+    """(projected speedup, γ) at the best γ of GAMMAS, i.i.d. acceptance α."""
+    return max(
+        (projected_speedup(iid_tokens_per_round(alpha, g), g, cost_ratio), g) for g in GAMMAS
+    )
+
+
+def choose_draft_vocab(
+    model, calibration: np.ndarray, generated: np.ndarray, alpha: float, context: int
+) -> tuple[int, dict]:
+    """K by the bytes model (module docstring) and the table behind the choice."""
+    vocab = model.args.vocab_size
+    held_out = rank_tokens([calibration], vocab)
+    position = np.empty(vocab, dtype=np.int64)
+    position[held_out] = np.arange(vocab)
+    rows = {}
+    for k in candidate_sizes(vocab):
+        if k < vocab:
+            ids = mx.array(np.sort(held_out[:k]).astype(np.int32))
+            model.draft_head = DraftVocabHead.from_lm_head(model.lm_head, ids)
+        roof = roofline(model, context)["bytes_per_token"]
+        model.draft_head = None
+        coverage = float(np.mean(position[generated] < k)) if generated.size else 1.0
+        c = roof["draft"] / roof["target"]
+        speedup, gamma = best_speedup(alpha * coverage, c)
+        rows[str(k)] = {
+            "coverage": round(coverage, 4),
+            "cost_ratio": round(c, 4),
+            "speedup": round(speedup, 4),
+            "gamma": gamma,
+        }
+    # The largest K within float noise of the best: fewer ids only when they pay.
+    top = max(r["speedup"] for r in rows.values())
+    k = max(int(k) for k, r in rows.items() if r["speedup"] >= top - 1e-9)
+    return k, rows
+
+
+def build_draft_vocab(
+    package: str | Path, calibration: np.ndarray, size: int | str = "auto", seed: int = 0
+) -> dict:
+    """Rank the tokens of a written package's vocabulary and store the top K as its draft
+    vocabulary (`add_draft_vocab`), K = `size` or, for "auto", `choose_draft_vocab`'s; "full"
+    or a K of at least the vocabulary stores none. Returns the record kept in the manifest's
+    `draft.ranking` (the same without a draft block)."""
+    from ..loader import load
+
+    tic = time.perf_counter()
+    model, tokenizer = load(package)
+    vocab = model.args.vocab_size
+    full = size == "full" or (isinstance(size, int) and size >= vocab)
+    if full or (size == "auto" and candidate_sizes(vocab) == [vocab]):
+        return {"vocab_size": vocab, "kept": "full"}
+    generated, alpha = generate_with_target(model, tokenizer, seed)
+    context = math.ceil(np.mean([len(p) for p in builtin_prompts(tokenizer).values()]))
+    context += GEN_TOKENS // 2
+    k, table = choose_draft_vocab(model, calibration, generated, alpha, context)
+    k = k if size == "auto" else int(size)
+    record = {
+        "method": "frequency in the calibration text + the target's generations on the "
+        "built-in prompts, each weighted 1; ties to the lower id",
+        "calibration_tokens": int(calibration.size),
+        "generated_tokens": int(generated.size),
+        "draft_acceptance": round(alpha, 4),
+        "chosen_by": "bytes model" if size == "auto" else "--draft-vocab",
+        "candidates": table,
+        "seconds": round(time.perf_counter() - tic, 1),
+    }
+    del model
+    if k >= vocab:
+        return {"vocab_size": vocab, "kept": "full", **record}
+    ranked = rank_tokens([calibration, generated], vocab)
+    add_draft_vocab(package, np.sort(ranked[:k]), record)
+    return {"vocab_size": k, **record}
