@@ -59,11 +59,33 @@ def window_nll(logits: mx.array, window: list[int]) -> float:
 # Teacher-forced windows are long: a dense matmul on the dequantized planes is much faster on
 # CPU and gives the same logits up to float rounding (see RunOptions.dense_min_rows).
 _DENSE = RunOptions(dense_min_rows=32)
+# The draft reads every lm_head row here: its perplexity is the W4 model's (a reduced draft
+# vocabulary leaves it undefined); what speculation sees is `restrict_to_draft_vocab` of it.
 _READINGS = {
     "target": _DENSE,
     "float": replace(_DENSE, quantize_activations=False, quantize_kv=False),  # W8 weights only
-    **{f"draft_kv{kv}": replace(_DENSE, mode="draft", draft_kv=kv) for kv in DRAFT_KV},
+    **{
+        f"draft_kv{kv}": replace(_DENSE, mode="draft", draft_kv=kv, draft_vocab=False)
+        for kv in DRAFT_KV
+    },
 }
+
+
+def draft_tokens(model) -> int:
+    """The token ids the draft scores: its reduced vocabulary's K (§2.9), else the vocabulary."""
+    head = getattr(model, "draft_head", None)
+    return model.args.vocab_size if head is None else head.ids.size
+
+
+def restrict_to_draft_vocab(model, logits: mx.array) -> mx.array:
+    """Full-vocabulary draft logits [..., V] as the model's reduced draft vocabulary head gives
+    them (§2.9): unchanged at its ids (the same W4 rows), -inf elsewhere; unchanged without one."""
+    head = getattr(model, "draft_head", None)
+    if head is None:
+        return logits
+    outside = mx.full((logits.shape[-1],), -mx.inf, dtype=logits.dtype)
+    outside[head.ids] = 0
+    return logits + outside
 
 
 def _logits(model, window: list[int], reading: str) -> mx.array:
@@ -160,6 +182,7 @@ def evaluate(
     used_kv = resolve_draft_kv(draft_kv, model, min(window, len(tokens)))
     nll = dict.fromkeys((*modes, *DRAFT_KV), 0.0)
     agree, overlap = dict.fromkeys(DRAFT_KV, 0.0), dict.fromkeys(DRAFT_KV, 0.0)
+    agree_all, overlap_all = dict.fromkeys(DRAFT_KV, 0.0), dict.fromkeys(DRAFT_KV, 0.0)
     n_pred = n_bytes = n_positions = 0
     for w in windows(tokens, window):
         logits = {r: _logits(model, w, r) for r in ("target", *(f"draft_kv{k}" for k in DRAFT_KV))}
@@ -169,10 +192,14 @@ def evaluate(
         for m in modes:
             if m != "draft":
                 nll[m] += window_nll(logits[m], w)
+        best = mx.argmax(logits["target"], -1)
         for kv in DRAFT_KV:
             d = logits[f"draft_kv{kv}"]
             nll[kv] += window_nll(d, w)
-            agree[kv] += mx.sum(mx.argmax(d, -1) == mx.argmax(logits["target"], -1)).item()
+            agree_all[kv] += mx.sum(mx.argmax(d, -1) == best).item()
+            overlap_all[kv] += acceptance_probability(sampler.logprobs(d), p).sum().item()
+            d = restrict_to_draft_vocab(model, d)
+            agree[kv] += mx.sum(mx.argmax(d, -1) == best).item()
             overlap[kv] += acceptance_probability(sampler.logprobs(d), p).sum().item()
         n_positions += len(w)
         n_pred += len(w) - 1
@@ -205,6 +232,12 @@ def evaluate(
         "modes": {m: scores(m) for m in modes},
         "argmax_agreement": agree[used_kv] / n_positions,
         "sum_min_pq": overlap[used_kv] / n_positions,
+        "draft_vocab": draft_tokens(model),
+        # The draft over every lm_head row (the same as above without a draft vocabulary).
+        "full_vocab_draft": {
+            "argmax_agreement": agree_all[used_kv] / n_positions,
+            "sum_min_pq": overlap_all[used_kv] / n_positions,
+        },
         "mean_accepted": stats.mean_accepted if spec_tokens > 0 else None,
         "gamma": gamma,
         "sampling": {"temp": sampler.temp, "top_p": sampler.top_p, "seed": seed, "rule": rule},

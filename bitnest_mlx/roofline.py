@@ -41,12 +41,13 @@ DRAFT_KV_POLICIES = (4, 8, "auto")
 
 
 def _linear_bytes(m: DualPlaneLinear) -> tuple[int, int]:
-    """(draft, target) bytes one Linear reads per token: the draft reads the hi plane once; the
-    target runs two 4-bit matmuls (hi, lo) that both read scales and biases."""
+    """(draft, target) bytes one Linear reads per token through the dual-plane kernel
+    (dual_plane_qmv.metal): the hi plane (draft) or both planes (target), the fp16 scales once
+    (the -8 offset is folded through Σx, so MLX's affine biases are never read), the bias."""
     plane = m.hi.size * 4  # uint32 words of 8 nibbles
-    scales_and_biases = 2 * m.scales.size * 2
+    scales = m.scales.size * 2
     bias = m.bias.size * 2 if "bias" in m else 0
-    return plane + scales_and_biases + bias, 2 * plane + 2 * scales_and_biases + bias
+    return plane + scales + bias, 2 * plane + scales + bias
 
 
 def head_bytes(model: nn.Module) -> dict[str, int]:
@@ -60,9 +61,8 @@ def head_bytes(model: nn.Module) -> dict[str, int]:
 
 
 def weight_bytes(model: nn.Module) -> dict[str, int]:
-    """Weight bytes read per token by the draft and the target, as on Metal (fp16 scales; MLX's
-    affine biases = -8·scales, read alongside), plus one embedding row (`_linear_bytes`); the
-    lm_head as `head_bytes` counts it."""
+    """Weight bytes read per token by the draft and the target, as the Metal kernels read them
+    (`_linear_bytes`), plus one embedding row; the lm_head as `head_bytes` counts it."""
     draft = target = 0
     for name, m in model.named_modules():
         if isinstance(m, DualPlaneLinear) and name != "lm_head" and not name.startswith("draft_"):
@@ -171,6 +171,18 @@ def projected_speedup(tokens_per_round: float, gamma: int, cost_ratio: float) ->
     emits `tokens_per_round` tokens and costs γ draft steps (c = draft / target bytes per token
     each) plus one verify pass of γ+1 rows, which reads the target's bytes once (≈ 1 step)."""
     return tokens_per_round / (gamma * cost_ratio + 1)
+
+
+SPEEDUP_GAMMAS = range(1, 9)  # the draft lengths a projection may pick
+
+
+def best_iid_speedup(alpha: float, cost_ratio: float) -> tuple[float, int]:
+    """(projected speedup, γ) at the best γ of SPEEDUP_GAMMAS for i.i.d. acceptance α and a
+    draft of `cost_ratio` target steps."""
+    return max(
+        (projected_speedup(iid_tokens_per_round(alpha, g), g, cost_ratio), g)
+        for g in SPEEDUP_GAMMAS
+    )
 
 
 def speed_model(

@@ -84,6 +84,7 @@ def fetch(cache: Path) -> Path:
 
 DEFAULT = "joint+hadamard (default)"
 CALIB_8K = {"calib_tokens": 8192}  # the converter's default until 2026-12-04
+FULL_VOCAB = {"draft_vocab": "full"}
 PACKAGES = {  # label: (package directory, convert() options beside the defaults)
     DEFAULT: ("pkg-joint-c32k", {}),
     "joint, 8k calib+hadamard": ("pkg-joint", CALIB_8K),
@@ -93,10 +94,11 @@ PACKAGES = {  # label: (package directory, convert() options beside the defaults
     "gptq+hadamard": ("pkg-gptq-hadamard", {"method": "gptq", **CALIB_8K}),
     "rtn+hadamard": ("pkg-rtn-hadamard", {"method": "rtn"}),
     "rtn, no rotation": ("pkg-rtn-none", {"method": "rtn", "rotate_kind": "none"}),
-    # Issue 28: the draft's grid (group size) and the method, on the default calibration size.
-    "joint g64+hadamard": ("pkg-joint-g64", {"group_size": 64}),
-    "joint g32+hadamard": ("pkg-joint-g32", {"group_size": 32}),
-    "gptq g64+hadamard": ("pkg-gptq-g64", {"method": "gptq", "group_size": 64}),
+    # The draft's grid (group size) and the method on the default calibration size, every row
+    # of the lm_head kept (the draft vocabulary is measured on its own, `vocab_sweep`).
+    "joint g64+hadamard": ("pkg-joint-g64", {"group_size": 64, **FULL_VOCAB}),
+    "joint g32+hadamard": ("pkg-joint-g32", {"group_size": 32, **FULL_VOCAB}),
+    "gptq g64+hadamard": ("pkg-gptq-g64", {"method": "gptq", "group_size": 64, **FULL_VOCAB}),
 }
 
 
@@ -104,8 +106,11 @@ PACKAGES = {  # label: (package directory, convert() options beside the defaults
 # size (576 = 4.5 x 128) allows, in the source basis and with the norms folded.
 SMOLLM2_PACKAGES = {
     DEFAULT: ("smollm2-pkg-default", {}),
-    "joint g32+hadamard": ("smollm2-pkg-g32", {"group_size": 32}),
-    "gptq g64+hadamard": ("smollm2-pkg-gptq-g64", {"method": "gptq", "group_size": 64}),
+    "joint g32+hadamard": ("smollm2-pkg-g32", {"group_size": 32, **FULL_VOCAB}),
+    "gptq g64+hadamard": (
+        "smollm2-pkg-gptq-g64",
+        {"method": "gptq", "group_size": 64, **FULL_VOCAB},
+    ),
 }
 MLX_LM_GROUPS = {
     "qwen": ((8, 128), (4, 128), (4, 64)),
@@ -178,6 +183,47 @@ def mlx_lm_scores(model, tokens: list[int], window: int) -> tuple[float, np.ndar
     return float(np.exp(nll / n)), np.concatenate(argmax)
 
 
+SWEEP_SIZES = (8192, 16384, 32768, 0)  # the draft vocabulary sizes measured (0: every token)
+
+
+def vocab_sweep(directory: Path, k: int, texts: dict, limits: dict, args) -> dict:
+    """Scores of a package's draft restricted to its K most frequent tokens (the converter's
+    ranking: calibration text + the target's generations on the built-in prompts), attached
+    to the loaded model as the converter would store it; K = 0 keeps every token."""
+    import mlx.core as mx
+
+    from bitnest_mlx.convert.calib import CALIB_TOKENS, calibration_tokens
+    from bitnest_mlx.convert.draft_vocab import generate_with_target, rank_tokens
+    from bitnest_mlx.layers.draft_vocab import DraftVocabHead
+
+    model, tokenizer = bitnest_mlx.load(directory)
+    if model.draft_head is not None:
+        raise SystemExit(f"{directory}: has a draft vocabulary already; sweep a full one")
+    vocab = model.args.vocab_size
+    ranking = {}
+    if 0 < k < vocab:
+        calibration = calibration_tokens(tokenizer, None, CALIB_TOKENS, 256).ravel()
+        generated, alpha = generate_with_target(model, tokenizer)
+        ranked = rank_tokens([calibration, generated], vocab)
+        ids = mx.array(np.sort(ranked[:k]).astype(np.int32))
+        model.draft_head = DraftVocabHead.from_lm_head(model.lm_head, ids)
+        ranking = {"generated_tokens": int(generated.size), "draft_acceptance": alpha}
+    return {
+        name: evaluate(
+            model,
+            tokenizer,
+            text,
+            ("target",),
+            limits[name],
+            args.window,
+            spec_tokens=0,
+            gen_tokens=0,
+        )
+        | ranking
+        for name, text in texts.items()
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache/bitnest_mlx/realmodel")
@@ -196,6 +242,12 @@ def main() -> None:
         action="store_true",
         help="recompute every row (default: reuse rows of report.json computed on the same "
         "package manifest with the same settings)",
+    )
+    p.add_argument(
+        "--no-vocab-sweep",
+        action="store_true",
+        help="skip the draft vocabulary sweep (K = 8192, 16384, 32768, full) on the default "
+        "package",
     )
     p.add_argument(
         "--gen-tokens",
@@ -286,6 +338,25 @@ def main() -> None:
                     res["GPL-3"]["sum_min_pq"],
                     res["GPL-3"].get("speed_model", {}).get("best_speedup_iid"),
                     res["GPL-3"].get("speed_model", {}).get("best_speedup"),
+                )
+            )
+            print(rows[-1], flush=True)
+    if DEFAULT in packages and not args.no_vocab_sweep:
+        directory = args.cache / packages[DEFAULT][0]
+        manifest = (directory / "bitnest.json").read_bytes()
+        for k in SWEEP_SIZES:
+            name = f"{DEFAULT}, draft vocab {k or 'full'}"
+            key = hashlib.sha256(manifest + json.dumps({**settings, "k": k}).encode()).hexdigest()
+            res = cached(name, key, lambda k=k: vocab_sweep(directory, k, texts, limits, args))
+            rows.append(
+                (
+                    name,
+                    *[None] * len(texts),  # the W4 model's perplexity does not depend on K
+                    res["GPL-3"]["argmax_agreement"],
+                    None,
+                    res["GPL-3"]["sum_min_pq"],
+                    res["GPL-3"]["speed_model"]["best_speedup_iid"],
+                    None,
                 )
             )
             print(rows[-1], flush=True)

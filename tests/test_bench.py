@@ -53,9 +53,10 @@ def test_roofline_counts_the_package_planes_and_scales():
     scales = sum(v.nbytes for k, v in tensors.items() if k.endswith(".scales"))  # fp16
     embed_row = model.args.hidden_size * 2
     r = roofline(model, context=0)
-    # Draft: hi + scales + biases; target: both planes, scales and biases read by both matmuls.
-    assert r["weight_bytes_per_token"]["draft"] == hi + 2 * scales + embed_row
-    assert r["weight_bytes_per_token"]["target"] == hi + lo + 4 * scales + embed_row
+    # As the dual-plane kernel reads them: the hi plane (draft) or both planes (target), and the
+    # fp16 scales once (the -8 offset is folded through Σx: no affine biases are read).
+    assert r["weight_bytes_per_token"]["draft"] == hi + scales + embed_row
+    assert r["weight_bytes_per_token"]["target"] == hi + lo + scales + embed_row
     at_100 = roofline(model, context=100)["bytes_per_token"]
     kv = r["kv_bytes_per_context_token"]
     assert at_100["target"] - r["bytes_per_token"]["target"] == 100 * kv["target"]
@@ -72,3 +73,54 @@ def test_bench_reports_dsv4_bundle_tok_s(capsys):
     )
     assert out["model_type"] == "deepseek_v4"
     assert out["prompt_tps"] > 0 and out["generation_tps"] > 0
+
+
+def test_speed_model_of_a_package_reads_its_bytes_without_loading_weights(capsys):
+    from bitnest_mlx.roofline import best_iid_speedup
+
+    path = demo_path()
+    out = _bench_json(
+        capsys, "--speed-model", "--model", str(path), "--acceptance", "full=0.8", "64=0.5"
+    )
+    model, _ = load(path)
+    loaded = roofline(model, out["context_tokens"])["bytes_per_token"]
+    full, small = out["rows"]["full"], out["rows"]["64"]
+    assert full["bytes_per_token"] == loaded and full["draft_vocab"] == model.args.vocab_size
+    speedup, gamma = best_iid_speedup(0.8, loaded["draft"] / loaded["target"])
+    assert (full["speedup"], full["gamma"]) == (speedup, gamma)
+    m1 = full["chips"]["M1"]
+    assert m1["target_tps"] == pytest.approx(68.25e9 / loaded["target"])
+    assert m1["speculative_tps"] == pytest.approx(m1["target_tps"] * speedup)
+    # 64 kept ids: the draft's lm_head reads 64 rows (and their ids) instead of the vocabulary's.
+    d = model.args.hidden_size
+    row = d // 2 + 2 * (d // model.args.group_size)
+    assert full["lm_head_bytes_per_token"]["draft"] == model.args.vocab_size * row
+    assert small["lm_head_bytes_per_token"]["draft"] == 64 * row + 64 * 4
+    assert small["bytes_per_token"]["target"] == loaded["target"]
+
+
+def test_speed_model_of_a_checkpoint_config_uses_the_converters_defaults(capsys, tmp_path):
+    config = {
+        "model_type": "llama",
+        "hidden_size": 576,  # 4.5 x 128: the converter picks group 64
+        "intermediate_size": 1536,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "vocab_size": 49152,
+        "rms_norm_eps": 1e-5,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = _bench_json(capsys, "--speed-model", "--model", str(tmp_path))
+    assert out["group_size"] == 64 and out["vocab_size"] == 49152
+    row = out["rows"]["full"]
+    assert "speedup" not in row and row["chips"]["M4 Max"]["speculative_tps"] is None
+    planes = sum(n * k // 2 for n, k in bitnest.linear_shapes({**config, "head_dim": 64}).values())
+    scales = sum(
+        n * k // 64 * 2 for n, k in bitnest.linear_shapes({**config, "head_dim": 64}).values()
+    )
+    kv_lo_plane = out["context_tokens"] * 2 * 2 * 3 * 64 // 2  # KV8 - KV4: K and V low nibbles
+    assert (
+        row["bytes_per_token"]["target"] - row["bytes_per_token"]["draft"] == planes + kv_lo_plane
+    )
+    assert row["bytes_per_token"]["draft"] > planes + scales  # + KV at the context, the embed row

@@ -94,7 +94,7 @@ def test_reduced_draft_reads_fewer_lm_head_bytes(packages):
     model_full, _ = bitnest_mlx.load(full)
     model, _ = bitnest_mlx.load(reduced)
     d = model.args.hidden_size
-    row = d // 2 + 2 * 2 * (d // model.args.group_size)  # hi nibbles, fp16 scales and biases
+    row = d // 2 + 2 * (d // model.args.group_size)  # hi nibbles, fp16 scales
     dropped = VOCAB - ids.size
     assert (
         head_bytes(model)["draft"] == head_bytes(model_full)["draft"] - dropped * row + 4 * ids.size
@@ -219,3 +219,23 @@ def test_build_draft_vocab_stores_the_top_k_of_both_sources_in_the_package(tmp_p
         copy_package(tmp_path / "pkg", tmp_path / "again"), calibration, "full"
     )
     assert full == {"vocab_size": VOCAB, "kept": "full"}
+
+
+def test_evaluation_scores_the_w4_model_and_the_reduced_draft_separately(packages):
+    from bitnest_mlx.evaluation import evaluate
+
+    full, reduced, ids, _ = packages
+    text = "12 + 34 = 46; 7 * 8 = 56, (9 - 3) / 2 = 3. " * 8  # bytes < 64: ids in the vocabulary
+    scores = {}
+    for name, pkg in (("full", full), ("reduced", reduced)):
+        model, tokenizer = bitnest_mlx.load(pkg)
+        scores[name] = evaluate(
+            model, tokenizer, text, ("target", "draft"), 128, 64, spec_tokens=0, gen_tokens=0
+        )
+    a, b = scores["full"], scores["reduced"]
+    # The W4 model's perplexity does not depend on the draft vocabulary (finite, the same).
+    assert a["modes"]["draft"]["ppl"] == pytest.approx(b["modes"]["draft"]["ppl"], rel=1e-6)
+    assert b["draft_vocab"] == ids.size and a["draft_vocab"] == VOCAB
+    assert b["full_vocab_draft"]["sum_min_pq"] == pytest.approx(a["sum_min_pq"], rel=1e-6)
+    assert b["sum_min_pq"] < a["sum_min_pq"]  # a third of the ids gone costs acceptance
+    assert b["speed_model"]["cost_ratio"] < a["speed_model"]["cost_ratio"]

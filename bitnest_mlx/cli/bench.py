@@ -28,7 +28,7 @@ from ..loader import LOAD_ERRORS, load, supports_draft
 from ..roofline import CHIPS as CHIPS  # re-exported: the bench's face of the roofline
 from ..roofline import PEAK_GBS, resolve_draft_kv, roofline
 from ..sampling import make_sampler
-from . import kernel_costs
+from . import kernel_costs, speed_projection
 from .args import (
     Parser,
     add_draft_kv,
@@ -111,6 +111,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead of a model: each Metal kernel's operation counts (CPU emulator; needs g++ "
         "and clang) as estimated cycles per weight against Apple GPUs' bandwidth budgets",
+    )
+    p.add_argument(
+        "--speed-model",
+        action="store_true",
+        help="instead of running: --model's bytes per token (a package, or the package convert's "
+        "defaults would write from a Hugging Face checkpoint's config.json; no weight is read) "
+        "and the projected target-only and speculative tok/s on M1 / M2 Pro / M3 Max / M4 Max",
+    )
+    p.add_argument(
+        "--acceptance",
+        type=speed_projection.acceptance_pair,
+        nargs="+",
+        metavar="K=ALPHA",
+        help="--speed-model: draft acceptance α (Σmin(p, q) per drafted token, e.g. from the "
+        "real-model page) at draft vocabulary K (a token count or 'full'); one row per pair",
     )
     return p
 
@@ -423,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.kernels:
         return kernel_costs.main(args.json)
+    if args.speed_model:
+        return speed_projection.main(args.model, args.acceptance, args.json)
 
     try:
         result = run(args)

@@ -25,13 +25,12 @@ import numpy as np
 from ..evaluation import SAMPLING, builtin_prompts
 from ..formats.bitnest.draft_vocab import add_draft_vocab
 from ..layers.draft_vocab import DraftVocabHead
-from ..roofline import iid_tokens_per_round, projected_speedup, roofline
+from ..roofline import best_iid_speedup, roofline
 from ..speculative import SpeculativeStats, speculative_generate_step
 
 SMALLEST_K = 8192
 GEN_TOKENS = 128  # per built-in prompt: the target's own text, beside the calibration text
 GAMMA = 4  # the draft length of the generation runs (acceptance is measured per draft)
-GAMMAS = range(1, 9)  # the γ a projected speedup may pick
 
 
 def candidate_sizes(vocab_size: int) -> list[int]:
@@ -70,13 +69,6 @@ def generate_with_target(model, tokenizer, seed: int = 0) -> tuple[np.ndarray, f
     return np.array(out, dtype=np.int64), stats.acceptance_rate
 
 
-def best_speedup(alpha: float, cost_ratio: float) -> tuple[float, int]:
-    """(projected speedup, γ) at the best γ of GAMMAS, i.i.d. acceptance α."""
-    return max(
-        (projected_speedup(iid_tokens_per_round(alpha, g), g, cost_ratio), g) for g in GAMMAS
-    )
-
-
 def choose_draft_vocab(
     model, calibration: np.ndarray, generated: np.ndarray, alpha: float, context: int
 ) -> tuple[int, dict]:
@@ -94,7 +86,7 @@ def choose_draft_vocab(
         model.draft_head = None
         coverage = float(np.mean(position[generated] < k)) if generated.size else 1.0
         c = roof["draft"] / roof["target"]
-        speedup, gamma = best_speedup(alpha * coverage, c)
+        speedup, gamma = best_iid_speedup(alpha * coverage, c)
         rows[str(k)] = {
             "coverage": round(coverage, 4),
             "cost_ratio": round(c, 4),

@@ -1,0 +1,125 @@
+"""`bench --speed-model`: what a package reads per token and what that implies on Apple chips.
+
+For a package, or for the package the converter's defaults would write from a Hugging Face
+checkpoint's config.json (no weight is read, so the Llama-3.2-3B-dimension checkpoint of
+`examples/convert_real_size.sh` takes a second), the bytes per token of the draft, the target and
+their lm_head (`roofline`), at each reduced draft vocabulary asked for; then, for each chip, the
+target-only tok/s at its memory bandwidth and the speculative tok/s at the best γ for an
+acceptance α measured elsewhere (the real-model page): decoding is bandwidth-bound, so tok/s =
+bandwidth / bytes per token (docs/speculative.md). Nothing here is measured on a Mac.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from ..formats.bitnest import choose_group_size, is_package, linear_shapes, read
+from ..formats.bitnest.spec import PackageSpec
+from ..formats.bitnest.writer import PackageWriter
+from ..roofline import PEAK_GBS, best_iid_speedup, roofline
+
+CHIPS = ("M1", "M2 Pro", "M3 Max", "M4 Max")
+CONTEXT = 1024  # KV tokens the projection reads per step (a chat turn's worth)
+
+
+def acceptance_pair(value: str) -> tuple[int | str, float]:
+    """`K=α` (K a number of draft tokens or 'full', α in (0, 1))."""
+    k, _, alpha = value.partition("=")
+    try:
+        size = k if k == "full" else int(k)
+        a = float(alpha)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected K=alpha, e.g. full=0.80") from None
+    if not 0 < a < 1 or (size != "full" and size < 1):
+        raise argparse.ArgumentTypeError(f"{value!r}: K >= 1 or 'full', 0 < alpha < 1")
+    return size, a
+
+
+def default_spec(checkpoint: Path) -> PackageSpec:
+    """The spec `convert` with its defaults writes for the checkpoint's config (weights unread)."""
+    from ..convert.source_base import complete_hf_config
+
+    f = checkpoint / "config.json"
+    config = complete_hf_config(json.loads(f.read_text(encoding="utf-8")), str(f))
+    shapes = linear_shapes(config)
+    group = choose_group_size({k for _, k in shapes.values()}, None)
+    qkv = ("q_proj", "k_proj", "v_proj") if config["model_type"] == "qwen2" else ()
+    biased = {lin for lin in shapes if lin.rsplit(".", 1)[-1] in qkv}
+    return PackageWriter.spec_for(
+        config, biased=biased, had_k=None, group_size=group, r3=True, kv_group=32
+    )
+
+
+def skeleton(spec: PackageSpec):
+    """The model the spec describes, its arrays never evaluated (sizes only: nothing allocated)."""
+    from ..models.bitnest_llama import Model, ModelArgs
+
+    return Model(ModelArgs.from_spec(spec))
+
+
+def project(path: Path, sizes: dict[int | str, float | None], context: int = CONTEXT) -> dict:
+    """Bytes per token and projected tok/s for each draft vocabulary size in `sizes` (K or
+    'full' -> acceptance α, or None for bytes only)."""
+    spec = read(path).spec if is_package(path) else default_spec(path)
+    rows = {}
+    for size, alpha in sizes.items():
+        k = 0 if size == "full" or size >= spec.vocab_size else size
+        roof = roofline(skeleton(replace(spec, draft_vocab=k)), context)
+        per_token = roof["bytes_per_token"]
+        row = {
+            "draft_vocab": k or spec.vocab_size,
+            "bytes_per_token": per_token,
+            "lm_head_bytes_per_token": roof["lm_head_bytes_per_token"],
+            "cost_ratio": per_token["draft"] / per_token["target"],
+        }
+        if alpha is not None:
+            speedup, gamma = best_iid_speedup(alpha, row["cost_ratio"])
+            row |= {"acceptance": alpha, "speedup": speedup, "gamma": gamma}
+        row["chips"] = {}
+        for chip in CHIPS:
+            target = PEAK_GBS[chip] * 1e9 / per_token["target"]
+            row["chips"][chip] = {
+                "bandwidth_gbs": PEAK_GBS[chip],
+                "target_tps": target,
+                "speculative_tps": target * row["speedup"] if alpha is not None else None,
+            }
+        rows[str(size)] = row
+    return {
+        "model": str(path),
+        "group_size": spec.group_size,
+        "vocab_size": spec.vocab_size,
+        "context_tokens": context,
+        "rows": rows,
+    }
+
+
+def report(result: dict) -> str:
+    lines = [
+        f"{result['model']}: group {result['group_size']}, vocabulary {result['vocab_size']}, "
+        f"{result['context_tokens']} context tokens (projected from bytes, not measured)"
+    ]
+    for size, r in result["rows"].items():
+        b, h = r["bytes_per_token"], r["lm_head_bytes_per_token"]
+        head = f"draft vocab {size}: MB/token draft {b['draft'] / 1e6:.0f} (lm_head "
+        head += f"{h['draft'] / 1e6:.0f}), target {b['target'] / 1e6:.0f} (lm_head "
+        head += f"{h['target'] / 1e6:.0f}), cost ratio {r['cost_ratio']:.3f}"
+        if "speedup" in r:
+            head += f"; α {r['acceptance']:.3f} -> {r['speedup']:.2f}x at γ {r['gamma']}"
+        lines.append(head)
+        for chip, c in r["chips"].items():
+            spec = c["speculative_tps"]
+            tail = "" if spec is None else f", speculative {spec:.1f}"
+            lines.append(
+                f"  {chip} ({c['bandwidth_gbs']} GB/s): target {c['target_tps']:.1f}{tail}"
+            )
+    return "\n".join(lines)
+
+
+def main(model: str, acceptance: list[tuple[int | str, float]] | None, as_json: bool) -> int:
+    sizes: dict[int | str, float | None] = dict(acceptance or [("full", None)])
+    result = project(Path(model), sizes)
+    print(json.dumps(result, indent=2) if as_json else report(result))
+    return 0
