@@ -239,3 +239,21 @@ def test_evaluation_scores_the_w4_model_and_the_reduced_draft_separately(package
     assert b["full_vocab_draft"]["sum_min_pq"] == pytest.approx(a["sum_min_pq"], rel=1e-6)
     assert b["sum_min_pq"] < a["sum_min_pq"]  # a third of the ids gone costs acceptance
     assert b["speed_model"]["cost_ratio"] < a["speed_model"]["cost_ratio"]
+
+
+def test_mlx_lm_speculation_with_a_reduced_draft_is_lossless(packages):
+    bitnest_mlx.register_mlx_lm()  # a no-op when the installed hook already did it
+    import mlx_lm
+
+    _, reduced, ids, _ = packages
+    model, tokenizer = mlx_lm.load(str(reduced))
+    draft, _ = mlx_lm.load(f"{reduced}#draft")
+    prompt = [int(b) for b in b"12 + 34 = "]  # bytes < 64: ids inside the package's vocabulary
+    plain = [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=16)]
+    spec = list(
+        mlx_lm.stream_generate(
+            model, tokenizer, prompt, max_tokens=16, draft_model=draft, num_draft_tokens=3
+        )
+    )
+    assert [r.token for r in spec] == plain
+    assert all(r.token in ids for r in spec if r.from_draft)
