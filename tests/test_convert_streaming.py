@@ -41,7 +41,7 @@ def converted(tmp_path_factory) -> tuple[Path, dict]:
 def test_manifest_records_each_stage_and_the_source_name_not_its_path(converted):
     _, manifest = converted
     resources = manifest["conversion"]["resources"]
-    assert set(resources["stages"]) == {"read", "calibrate", "quantize", "write", "draft_vocab"}
+    assert set(resources["stages"]) == {"read", "calibrate", "quantize", "write"}
     for stage in resources["stages"].values():
         assert stage["seconds"] >= 0 and stage["peak_rss_gb"] > 0
     assert resources["peak_rss_gb"] >= max(s["peak_rss_gb"] for s in resources["stages"].values())

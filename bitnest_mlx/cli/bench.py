@@ -112,21 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of a model: each Metal kernel's operation counts (CPU emulator; needs g++ "
         "and clang) as estimated cycles per weight against Apple GPUs' bandwidth budgets",
     )
-    p.add_argument(
-        "--speed-model",
-        action="store_true",
-        help="instead of running: --model's bytes per token (a package, or the package convert's "
-        "defaults would write from a Hugging Face checkpoint's config.json; no weight is read) "
-        "and the projected target-only and speculative tok/s on M1 / M2 Pro / M3 Max / M4 Max",
-    )
-    p.add_argument(
-        "--acceptance",
-        type=speed_projection.acceptance_pair,
-        nargs="+",
-        metavar="K=ALPHA",
-        help="--speed-model: draft acceptance α (Σmin(p, q) per drafted token, e.g. from the "
-        "real-model page) at draft vocabulary K (a token count or 'full'); one row per pair",
-    )
+    speed_projection.add_arguments(p)
     return p
 
 

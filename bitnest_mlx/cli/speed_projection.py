@@ -38,6 +38,25 @@ def acceptance_pair(value: str) -> tuple[int | str, float]:
     return size, a
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """bench's flags of this mode."""
+    p.add_argument(
+        "--speed-model",
+        action="store_true",
+        help="instead of running: --model's bytes per token (a package, or the package convert's "
+        "defaults would write from a Hugging Face checkpoint's config.json; no weight is read) "
+        "and the projected target-only and speculative tok/s on M1 / M2 Pro / M3 Max / M4 Max",
+    )
+    p.add_argument(
+        "--acceptance",
+        type=acceptance_pair,
+        nargs="+",
+        metavar="K=ALPHA",
+        help="--speed-model: draft acceptance α (Σmin(p, q) per drafted token, e.g. from the "
+        "real-model page) at draft vocabulary K (a token count or 'full'); one row per pair",
+    )
+
+
 def default_spec(checkpoint: Path) -> PackageSpec:
     """The spec `convert` with its defaults writes for the checkpoint's config (weights unread)."""
     from ..convert.source_base import complete_hf_config

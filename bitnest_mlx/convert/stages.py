@@ -42,6 +42,7 @@ class Stages:
         self.seconds = dict.fromkeys(STAGES, 0.0)
         self.peak = dict.fromkeys(STAGES, 0)
         self.current: str | None = None
+        self.entered: list[str] = []
         self.start = time.perf_counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, args=(interval,), daemon=True)
@@ -57,6 +58,8 @@ class Stages:
     def __call__(self, stage: str):
         assert stage in STAGES, stage
         outer, self.current = self.current, stage
+        if stage not in self.entered:
+            self.entered.append(stage)
         t0 = time.perf_counter()
         try:
             yield
@@ -70,6 +73,7 @@ class Stages:
         self._thread.join()
 
     def report(self) -> dict:
+        """The stages entered so far (the manifest's record is written before `draft_vocab`)."""
         gb = 1e9
         return {
             "stages": {
@@ -78,6 +82,7 @@ class Stages:
                     "peak_rss_gb": round(self.peak[s] / gb, 3),
                 }
                 for s in STAGES
+                if s in self.entered
             },
             "seconds": round(time.perf_counter() - self.start, 1),
             # The kernel's high-water mark and our samples count pages a little differently.

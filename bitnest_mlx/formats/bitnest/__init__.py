@@ -43,8 +43,8 @@ from .numerics import (
     weight_scales,
 )
 from .reader import Package, read
+from .sealing import seal
 from .spec import PackageSpec
-from .writer import seal
 
 __all__ = [
     "ARCHS",

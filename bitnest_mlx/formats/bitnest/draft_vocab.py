@@ -17,6 +17,7 @@ import numpy as np
 from .. import safetensors_io
 from .files import find_manifest, read_json, safetensors_files
 from .layout import INDEX_NAME, PackageError
+from .sealing import seal
 
 DRAFT_VOCAB = "draft.vocab"  # int32 [K]: the kept token ids, strictly increasing
 # `vocab_size` (K) is interpreted; `ranking` describes how the ids were chosen. Any other key
@@ -65,8 +66,6 @@ def add_draft_vocab(path: str | Path, ids: np.ndarray, ranking: dict | None = No
     `ids` go into one more shard (the package becomes sharded), the manifest gets its `draft`
     block and the checksums are recomputed. The files are renamed in place, so this is for a
     folder nobody reads yet, not for an installed package."""
-    from .writer import seal  # the writer imports nothing from here; seal is its last step
-
     path = Path(path)
     manifest_file = find_manifest(path)
     manifest = read_json(manifest_file)

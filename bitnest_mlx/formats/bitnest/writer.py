@@ -13,10 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .. import checksums
-from .files import find_manifest, read_json, safetensors_files
 from .layout import (
-    CHECKSUMS_KEY,
     DEFAULT_EPS,
     FORMAT,
     INDEX_NAME,
@@ -27,6 +24,7 @@ from .layout import (
     norm_names,
 )
 from .numerics import GROUP_SIZE, Planes, choose_group_size
+from .sealing import write_manifest
 from .spec import PackageSpec
 
 
@@ -297,7 +295,7 @@ class PackageWriter:
                 if (Path(self.tokenizer_dir) / fname).is_file():
                     shutil.copy(Path(self.tokenizer_dir) / fname, self.out / fname)
         # Last: it records the bytes of every other file (§2.6).
-        _write_manifest(self.out / "bitnest.json", self.manifest, files, self.package_config)
+        write_manifest(self.out / "bitnest.json", self.manifest, files, self.package_config)
         return self.out
 
 
@@ -383,27 +381,3 @@ def write(
         w.add_linear(lin, planes[lin], biases.get(lin))
     w.add("model.embed_tokens.weight", mx.array(np.asarray(embed, np.float32)).astype(mx.bfloat16))
     return w.finish(notes)
-
-
-def _write_manifest(f: Path, manifest: dict, files: list[Path], config: dict | None) -> None:
-    """The manifest with its checksum block (docs/bitnest-package.md §2.6): every tensor of
-    `files`, config.json's content when there is one, the bytes of every other file beside it,
-    and the manifest itself."""
-    json_docs = {"config.json": config} if config is not None else {}
-    checksums.make_block(manifest, CHECKSUMS_KEY, files, json_docs, f)
-    f.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
-
-
-def seal(path: str | Path) -> Path:
-    """Recompute a package's checksums after a deliberate edit of its files (a hand-edited
-    manifest value, re-saved tensors): from then on the edited package is the one that loads.
-
-    Checks nothing else; `read` still validates every rule.
-    """
-    path = Path(path)
-    manifest_file = find_manifest(path)
-    config_file = path / "config.json"
-    config = read_json(config_file) if config_file.is_file() else None
-    files, _, _ = safetensors_files(path)
-    _write_manifest(manifest_file, read_json(manifest_file), files, config)
-    return path
