@@ -189,19 +189,43 @@ def wide_vocab_model(tmp_path_factory):
     return tiny_package(tmp_path_factory.mktemp("wide") / "pkg", seed=5, vocab=20000)
 
 
-def test_bytes_model_drops_rows_only_when_the_coverage_pays_for_them(wide_vocab_model):
-    from bitnest_mlx.convert.draft_vocab import choose_draft_vocab
+def test_bytes_model_drops_rows_only_when_the_acceptance_pays_for_them(
+    wide_vocab_model, monkeypatch
+):
+    from bitnest_mlx.convert import draft_vocab
 
-    model = wide_vocab_model
-    calibration = np.arange(100)  # ranks 0..99 first, then every other id by id
-    covered = np.arange(50)  # everything generated is in the top 8192
-    k, table = choose_draft_vocab(model, calibration, covered, alpha=0.8, context=64)
-    assert k == 8192 and table["8192"]["coverage"] == 1.0
+    model, calibration, texts = wide_vocab_model, np.arange(100), [([1, 2, 3], 1)]
+    sizes = draft_vocab.candidate_sizes(20000)
+    assert sizes == [8192, 16384, 20000]
+    # The same acceptance at every K: the fewest rows are the cheapest draft.
+    monkeypatch.setattr(draft_vocab, "acceptance_by_size", lambda *a: dict.fromkeys(sizes, 0.8))
+    k, table = draft_vocab.choose_draft_vocab(model, calibration, texts, context=64)
+    assert k == 8192 and table["8192"]["speedup"] > table["20000"]["speedup"]
     assert table["8192"]["cost_ratio"] < table["16384"]["cost_ratio"] < table["20000"]["cost_ratio"]
     assert model.draft_head is None  # the trial heads are gone
-    uncovered = np.arange(19000, 19050)  # ids ranked last: only the full vocabulary has them
-    k, table = choose_draft_vocab(model, calibration, uncovered, alpha=0.8, context=64)
-    assert k == 20000 and table["8192"]["coverage"] == 0.0
+    # Acceptance collapsing without the last rows: the full vocabulary wins.
+    alphas = {8192: 0.3, 16384: 0.5, 20000: 0.8}
+    monkeypatch.setattr(draft_vocab, "acceptance_by_size", lambda *a: alphas)
+    k, table = draft_vocab.choose_draft_vocab(model, calibration, texts, context=64)
+    assert k == 20000 and table["20000"]["acceptance"] == 0.8
+
+
+def test_acceptance_of_the_full_vocabulary_is_the_drafts_sum_min_on_the_generated_positions(
+    wide_vocab_model,
+):
+    from bitnest_mlx.convert.draft_vocab import acceptance_by_size
+    from bitnest_mlx.evaluation import SAMPLING
+    from bitnest_mlx.sampling import acceptance_probability
+
+    model = wide_vocab_model
+    ids, start = [5, 17, 300, 9, 12000, 4], 2
+    alphas = acceptance_by_size(model, [(ids, start)], np.arange(20000))
+    x = mx.array(ids)[None]
+    p = SAMPLING.logprobs(model(x, mode="target")[0, start - 1 : -1])
+    q = SAMPLING.logprobs(model(x, mode="draft")[0, start - 1 : -1])
+    want = acceptance_probability(q, p).mean().item()
+    assert alphas[20000] == pytest.approx(want, rel=1e-4)
+    assert 0 < alphas[8192] < 1
 
 
 def test_build_draft_vocab_stores_the_top_k_of_both_sources_in_the_package(tmp_path):
@@ -213,7 +237,8 @@ def test_build_draft_vocab_stores_the_top_k_of_both_sources_in_the_package(tmp_p
     model, _ = bitnest_mlx.load(tmp_path / "pkg")
     kept = np.array(model.draft_head.ids).tolist()
     assert record["vocab_size"] == 16 == len(kept) and {9, 40, 63} <= set(kept)
-    assert record["generated_tokens"] == 3 * 128 and 0 <= record["draft_acceptance"] <= 1
+    assert record["generated_tokens"] == 3 * 128
+    assert all(0 < r["acceptance"] <= 1 for r in record["candidates"].values())
     assert record["chosen_by"] == "--draft-vocab"
     full = build_draft_vocab(
         copy_package(tmp_path / "pkg", tmp_path / "again"), calibration, "full"

@@ -6,17 +6,18 @@ drown what the model itself writes); ties go to the lower id, since BPE vocabula
 tokens in merge order, roughly by frequency in the tokenizer's own corpus.
 
 The size K comes from the bytes model (`roofline`): a draft over K ids reads fewer lm_head bytes
-per token (cost ratio c_K) but cannot propose a token outside them, so its acceptance falls to
-about α·coverage(K), with α the full draft's acceptance measured on those generations and
-coverage(K) the share of generated tokens inside the top K of the ranking built without them
-(held out). K maximises the projected speedup tokens(α_K, γ) / (γ·c_K + 1) at the best γ, among
-powers of two from 8192 below the vocabulary, and the full vocabulary; no constant is fitted.
+per token (cost ratio c_K) but cannot propose a token outside them. Its acceptance α_K is
+measured directly: the mean Σ min(p, q_K) over the generated positions, teacher-forced, with q_K
+the draft restricted to the top K of the ranking built without those generations (held out).
+K maximises the projected speedup tokens(α_K, γ) / (γ·c_K + 1) at the best γ, among powers of
+two from 8192 below the vocabulary and the full vocabulary; no constant is fitted.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,12 +26,15 @@ import numpy as np
 from ..evaluation import SAMPLING, builtin_prompts
 from ..formats.bitnest.draft_vocab import add_draft_vocab
 from ..layers.draft_vocab import DraftVocabHead
+from ..layers.options import RunOptions
 from ..roofline import best_iid_speedup, roofline
-from ..speculative import SpeculativeStats, speculative_generate_step
+from ..sampling import acceptance_probability
+from ..speculative import speculative_generate_step
 
 SMALLEST_K = 8192
 GEN_TOKENS = 128  # per built-in prompt: the target's own text, beside the calibration text
-GAMMA = 4  # the draft length of the generation runs (acceptance is measured per draft)
+# Whole texts at once: the dense path (RunOptions.dense_min_rows), as eval's teacher forcing.
+TEACHER_FORCED = RunOptions(dense_min_rows=32)
 
 
 def candidate_sizes(vocab_size: int) -> list[int]:
@@ -49,46 +53,61 @@ def rank_tokens(sources: list[np.ndarray], vocab_size: int) -> np.ndarray:
     return np.lexsort((np.arange(vocab_size), -score))
 
 
-def generate_with_target(model, tokenizer, seed: int = 0) -> tuple[np.ndarray, float]:
-    """(the target's tokens on the built-in prompts, the full draft's acceptance rate on them):
-    seeded speculative runs at γ = GAMMA, whose output is the target's own sample."""
-    out, stats = [], SpeculativeStats()
+def generate_with_target(model, tokenizer, seed: int = 0) -> list[tuple[list[int], int]]:
+    """The target's own text on the built-in prompts: (prompt + GEN_TOKENS sampled tokens,
+    prompt length) per prompt, seeded, target-only (`SAMPLING`, the eval's settings)."""
+    out = []
     for ids in builtin_prompts(tokenizer).values():
         steps = speculative_generate_step(
             mx.array(ids, dtype=mx.uint32),
             model,
             max_tokens=GEN_TOKENS,
             sampler=SAMPLING,
-            num_draft_tokens=GAMMA,
-            adaptive=False,
-            fallback=False,
-            stats=stats,
+            num_draft_tokens=0,
             seed=seed,
         )
-        out += [t for t, _, _ in steps]
-    return np.array(out, dtype=np.int64), stats.acceptance_rate
+        out.append((list(ids) + [t for t, _, _ in steps], len(ids)))
+    return out
+
+
+def acceptance_by_size(model, texts: list[tuple[list[int], int]], ranked: np.ndarray) -> dict:
+    """α_K for each candidate K: mean Σ min(p, q_K) over the generated positions of `texts`
+    (teacher-forced), q_K the W4 draft restricted to the first K ids of `ranked`."""
+    vocab = model.args.vocab_size
+    sizes = candidate_sizes(vocab)
+    total, n = dict.fromkeys(sizes, 0.0), 0
+    for ids, start in texts:
+        x = mx.array(ids)[None]
+        p = SAMPLING.logprobs(model(x, options=TEACHER_FORCED)[0, start - 1 : -1])
+        every_row = replace(TEACHER_FORCED, mode="draft", draft_vocab=False)
+        draft = model(x, options=every_row)[0, start - 1 : -1]
+        for k in sizes:
+            outside = np.full(vocab, -np.inf, dtype=np.float32)
+            outside[ranked[:k]] = 0
+            q = SAMPLING.logprobs(draft + mx.array(outside))
+            total[k] += acceptance_probability(q, p).sum().item()
+        n += len(ids) - start
+    return {k: total[k] / max(n, 1) for k in sizes}
 
 
 def choose_draft_vocab(
-    model, calibration: np.ndarray, generated: np.ndarray, alpha: float, context: int
+    model, calibration: np.ndarray, texts: list[tuple[list[int], int]], context: int
 ) -> tuple[int, dict]:
     """K by the bytes model (module docstring) and the table behind the choice."""
     vocab = model.args.vocab_size
     held_out = rank_tokens([calibration], vocab)
-    position = np.empty(vocab, dtype=np.int64)
-    position[held_out] = np.arange(vocab)
+    alphas = acceptance_by_size(model, texts, held_out)
     rows = {}
-    for k in candidate_sizes(vocab):
+    for k, alpha in alphas.items():
         if k < vocab:
             ids = mx.array(np.sort(held_out[:k]).astype(np.int32))
             model.draft_head = DraftVocabHead.from_lm_head(model.lm_head, ids)
         roof = roofline(model, context)["bytes_per_token"]
         model.draft_head = None
-        coverage = float(np.mean(position[generated] < k)) if generated.size else 1.0
         c = roof["draft"] / roof["target"]
-        speedup, gamma = best_iid_speedup(alpha * coverage, c)
+        speedup, gamma = best_iid_speedup(alpha, c)
         rows[str(k)] = {
-            "coverage": round(coverage, 4),
+            "acceptance": round(alpha, 4),
             "cost_ratio": round(c, 4),
             "speedup": round(speedup, 4),
             "gamma": gamma,
@@ -114,17 +133,16 @@ def build_draft_vocab(
     full = size == "full" or (isinstance(size, int) and size >= vocab)
     if full or (size == "auto" and candidate_sizes(vocab) == [vocab]):
         return {"vocab_size": vocab, "kept": "full"}
-    generated, alpha = generate_with_target(model, tokenizer, seed)
-    context = math.ceil(np.mean([len(p) for p in builtin_prompts(tokenizer).values()]))
-    context += GEN_TOKENS // 2
-    k, table = choose_draft_vocab(model, calibration, generated, alpha, context)
+    texts = generate_with_target(model, tokenizer, seed)
+    generated = np.array([t for ids, start in texts for t in ids[start:]], dtype=np.int64)
+    context = math.ceil(np.mean([len(ids) for ids, _ in texts]))
+    k, table = choose_draft_vocab(model, calibration, texts, context)
     k = k if size == "auto" else int(size)
     record = {
         "method": "frequency in the calibration text + the target's generations on the "
         "built-in prompts, each weighted 1; ties to the lower id",
         "calibration_tokens": int(calibration.size),
         "generated_tokens": int(generated.size),
-        "draft_acceptance": round(alpha, 4),
         "chosen_by": "bytes model" if size == "auto" else "--draft-vocab",
         "candidates": table,
         "seconds": round(time.perf_counter() - tic, 1),
