@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 
+from .layers.draft_vocab import draft_tokens
 from .layers.options import DRAFT_KV, RunOptions
 from .roofline import model_kv8_limit, resolve_draft_kv, roofline, speed_model
 from .sampling import Sampler, acceptance_probability
@@ -69,12 +70,6 @@ _READINGS = {
         for kv in DRAFT_KV
     },
 }
-
-
-def draft_tokens(model) -> int:
-    """The token ids the draft scores: its reduced vocabulary's K (§2.9), else the vocabulary."""
-    head = getattr(model, "draft_head", None)
-    return model.args.vocab_size if head is None else head.ids.size
 
 
 def restrict_to_draft_vocab(model, logits: mx.array) -> mx.array:

@@ -13,6 +13,7 @@ from mlx_lm.generate import stream_generate
 
 from .. import speculative
 from ..demo import DEMO, resolve_model
+from ..layers.draft_vocab import draft_tokens
 from ..loader import LOAD_ERRORS, load
 from ..roofline import resolve_draft_kv
 from ..sampling import SeededSampler
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             fallback=spec_stats.fallback,
             num_draft_tokens=args.num_draft_tokens,
             mean_drafted=round(spec_stats.mean_drafted, 3),
+            draft_vocab=draft_tokens(model),
         )
     if not show:  # another pipeline rank: the same text and stats as rank 0's
         return 0
@@ -244,7 +246,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"[speculative] acceptance: {stats['acceptance_rate']:.1%}"
                 f" | mean accepted: {stats['mean_accepted']} of {stats['mean_drafted']}"
                 f" drafted per round | draft {stats['draft_s']} s, verify {stats['verify_s']} s"
-                f" | fallback: {'yes' if stats['fallback'] else 'no'}",
+                f" | fallback: {'yes' if stats['fallback'] else 'no'}"
+                + (
+                    f" | draft vocabulary: {stats['draft_vocab']} of {model.args.vocab_size}"
+                    if stats["draft_vocab"] < model.args.vocab_size
+                    else ""
+                ),
                 file=sys.stderr,
             )
     return 0

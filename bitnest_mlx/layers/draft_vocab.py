@@ -61,3 +61,9 @@ class DraftVocabHead(nn.Module):
         head.rows.biases = lm_head.biases[head.ids]
         mx.eval(head.parameters())
         return head
+
+
+def draft_tokens(model: nn.Module) -> int:
+    """The token ids a model's draft scores: its reduced vocabulary's K, else the vocabulary."""
+    head = getattr(model, "draft_head", None)
+    return model.args.vocab_size if head is None else head.ids.size
