@@ -244,11 +244,13 @@ def main() -> None:
         "package manifest with the same settings)",
     )
     p.add_argument(
-        "--no-vocab-sweep",
-        action="store_true",
-        help="skip the draft vocabulary sweep (K = 8192, 16384, 32768, full) on the default "
-        "package",
+        "--vocab-sweep",
+        default=DEFAULT,
+        metavar="LABEL",
+        help="the package (one of --packages) whose draft is measured at K = 8192, 16384, 32768 "
+        "and every token (default: the default package)",
     )
+    p.add_argument("--no-vocab-sweep", action="store_true", help="skip that sweep")
     p.add_argument(
         "--gen-tokens",
         type=int,
@@ -341,11 +343,11 @@ def main() -> None:
                 )
             )
             print(rows[-1], flush=True)
-    if DEFAULT in packages and not args.no_vocab_sweep:
-        directory = args.cache / packages[DEFAULT][0]
+    if args.vocab_sweep in packages and not args.no_vocab_sweep:
+        directory = args.cache / packages[args.vocab_sweep][0]
         manifest = (directory / "bitnest.json").read_bytes()
         for k in SWEEP_SIZES:
-            name = f"{DEFAULT}, draft vocab {k or 'full'}"
+            name = f"{args.vocab_sweep}, draft vocab {k or 'full'}"
             key = hashlib.sha256(manifest + json.dumps({**settings, "k": k}).encode()).hexdigest()
             res = cached(name, key, lambda k=k: vocab_sweep(directory, k, texts, limits, args))
             rows.append(

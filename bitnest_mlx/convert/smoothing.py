@@ -24,11 +24,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..formats.bitnest import GROUP_SIZE, a8, choose_group_size, dequantize_planes, quantize_planes
+from ..formats.bitnest import a8, choose_group_size, dequantize_planes, quantize_planes
 from ..formats.bitnest.writer import PackageWriter
 from ..formats.hadamard import hadamard_k, split_k
 from .calib import CALIB_TOKENS
 from .calibrate import Calibration
+from .defaults import GROUP_SIZE
 from .package import LAYER_NORMS, stored_embedding, stored_head, stored_layer
 from .rotation import Rotation
 from .sources import Source
@@ -94,7 +95,9 @@ def norm_inputs(
         config,
         biased={n.removesuffix(".bias") for n in available if n.endswith(".bias")},
         had_k=had,
-        group_size=choose_group_size([config["hidden_size"], config["intermediate_size"]]),
+        group_size=choose_group_size(
+            [config["hidden_size"], config["intermediate_size"]], None, GROUP_SIZE
+        ),
     )
     embed = mx.array(stored_embedding(source, rotation))
     calib = Calibration(spec, embed, tokens, had)
@@ -111,7 +114,7 @@ def norm_inputs(
 
 
 def output_errors(
-    x: np.ndarray, linears: Sequence[np.ndarray], d: np.ndarray, group_size: int = GROUP_SIZE
+    x: np.ndarray, linears: Sequence[np.ndarray], d: np.ndarray, group_size: int
 ) -> tuple:
     """(e4, e8): ||A8(x·d)·Q(W/d)ᵀ - x·Wᵀ||² / ||x·Wᵀ||² summed over `linears` (the weights
     [N, D] reading x [n, D]), Q = the writer's RTN planes read as W4 and as W8."""
@@ -168,7 +171,7 @@ def smoothing_vectors(
     candidates = [a for a in grid if a != 0.0]
     rng = np.random.default_rng(seed)
     d_model = config["hidden_size"]
-    group = choose_group_size([d_model, config["intermediate_size"]], group_size)
+    group = choose_group_size([d_model, config["intermediate_size"]], group_size, GROUP_SIZE)
     result = Smoothing(
         settings={
             "alphas": grid,

@@ -97,10 +97,12 @@ class Planes:
     w4_rel_fro_err: float  # ||W4 - W||_F / ||W||_F
 
 
-def choose_group_size(ks: Iterable[int], requested: int | None = None) -> int:
+def choose_group_size(
+    ks: Iterable[int], requested: int | None = None, largest: int = GROUP_SIZE
+) -> int:
     """The weight group for Linears with input widths `ks`: `requested` when given (it must be
-    one of WEIGHT_GROUPS and divide every K), else the largest of WEIGHT_GROUPS dividing all K:
-    128, the seed packages' group, whenever it can be, since a finer group costs scale bytes."""
+    one of WEIGHT_GROUPS and divide every K), else the largest of WEIGHT_GROUPS up to `largest`
+    dividing all K (by default 128, the seed packages' group, whenever it can be)."""
     ks = [int(k) for k in ks]
     if requested is not None:
         if requested not in WEIGHT_GROUPS:
@@ -109,7 +111,7 @@ def choose_group_size(ks: Iterable[int], requested: int | None = None) -> int:
             raise ValueError(f"group_size {requested}: K = {bad[0]} is not a multiple of it")
         return requested
     for group in sorted(WEIGHT_GROUPS, reverse=True):
-        if all(k % group == 0 for k in ks):
+        if group <= largest and all(k % group == 0 for k in ks):
             return group
     bad = next(k for k in ks if k % min(WEIGHT_GROUPS))
     raise ValueError(f"K = {bad} is not a multiple of any weight group size {WEIGHT_GROUPS}")
