@@ -21,8 +21,8 @@ at groups 64 and 32, source and folded bases; report-smollm2.json).
    norms folded (as a package must store it) and rotated (`BASES`): the source's AWQ
    equalization lives in its norm weights, which folding removes.
 4. Measures one package's draft restricted to its K most frequent tokens, K = 8192, 16384,
-   32768 and every token (`--vocab-sweep`, default the default package; the converter's own
-   ranking, attached to the loaded model).
+   32768 and every token (`--vocab-sweep`, default the default's weights with every row; the
+   converter's own ranking, attached to the loaded model).
    Prints a markdown table; report.json gets each row as soon as it is computed, and a rerun
    reuses the rows computed on the same package and settings (`--fresh` recomputes).
 Set LD_PRELOAD to OpenBLAS (see examples/real_model.md) for a much faster float baseline.
@@ -183,6 +183,7 @@ def mlx_lm_scores(model, tokens: list[int], window: int) -> tuple[float, np.ndar
     return float(np.exp(nll / n)), np.concatenate(argmax)
 
 
+SWEPT = "joint g64+hadamard"  # the default package's weights with every lm_head row
 SWEEP_SIZES = (8192, 16384, 32768, 0)  # the draft vocabulary sizes measured (0: every token)
 
 
@@ -245,10 +246,10 @@ def main() -> None:
     )
     p.add_argument(
         "--vocab-sweep",
-        default=DEFAULT,
+        default=SWEPT,
         metavar="LABEL",
-        help="the package (one of --packages) whose draft is measured at K = 8192, 16384, 32768 "
-        "and every token (default: the default package)",
+        help="the package (one of --packages, every row kept) whose draft is measured at K = "
+        f"8192, 16384, 32768 and every token (default {SWEPT!r}: the default's weights)",
     )
     p.add_argument("--no-vocab-sweep", action="store_true", help="skip that sweep")
     p.add_argument(
