@@ -194,7 +194,7 @@ def vocab_sweep(directory: Path, k: int, texts: dict, limits: dict, args) -> dic
     import mlx.core as mx
 
     from bitnest_mlx.convert.calib import CALIB_TOKENS, calibration_tokens
-    from bitnest_mlx.convert.draft_vocab import generate_with_target, rank_tokens
+    from bitnest_mlx.convert.draft_vocab import generate_with_target, generated_tokens, rank_tokens
     from bitnest_mlx.layers.draft_vocab import DraftVocabHead
 
     model, tokenizer = bitnest_mlx.load(directory)
@@ -204,11 +204,11 @@ def vocab_sweep(directory: Path, k: int, texts: dict, limits: dict, args) -> dic
     ranking = {}
     if 0 < k < vocab:
         calibration = calibration_tokens(tokenizer, None, CALIB_TOKENS, 256).ravel()
-        generated, alpha = generate_with_target(model, tokenizer)
+        generated = generated_tokens(generate_with_target(model, tokenizer))
         ranked = rank_tokens([calibration, generated], vocab)
         ids = mx.array(np.sort(ranked[:k]).astype(np.int32))
         model.draft_head = DraftVocabHead.from_lm_head(model.lm_head, ids)
-        ranking = {"generated_tokens": int(generated.size), "draft_acceptance": alpha}
+        ranking = {"generated_tokens": int(generated.size)}
     return {
         name: evaluate(
             model,

@@ -70,6 +70,11 @@ def generate_with_target(model, tokenizer, seed: int = 0) -> list[tuple[list[int
     return out
 
 
+def generated_tokens(texts: list[tuple[list[int], int]]) -> np.ndarray:
+    """The generated part of `generate_with_target`'s texts, as one array of ids."""
+    return np.array([t for ids, start in texts for t in ids[start:]], dtype=np.int64)
+
+
 def acceptance_by_size(model, texts: list[tuple[list[int], int]], ranked: np.ndarray) -> dict:
     """α_K for each candidate K: mean Σ min(p, q_K) over the generated positions of `texts`
     (teacher-forced), q_K the W4 draft restricted to the first K ids of `ranked`."""
@@ -134,7 +139,7 @@ def build_draft_vocab(
     if full or (size == "auto" and candidate_sizes(vocab) == [vocab]):
         return {"vocab_size": vocab, "kept": "full"}
     texts = generate_with_target(model, tokenizer, seed)
-    generated = np.array([t for ids, start in texts for t in ids[start:]], dtype=np.int64)
+    generated = generated_tokens(texts)
     context = math.ceil(np.mean([len(ids) for ids, _ in texts]))
     k, table = choose_draft_vocab(model, calibration, texts, context)
     k = k if size == "auto" else int(size)
