@@ -53,6 +53,8 @@ BENCH = [
     (["--gen-tokens", "1"], "--gen-tokens", ">= 2"),
     (["--num-draft-tokens", "-2"], "--num-draft-tokens", ">= 0"),
     (["--temp", "-1"], "--temp", ">= 0"),
+    (["--speed-model", "--acceptance", "full=1.5"], "--acceptance", "0 < alpha < 1"),
+    (["--speed-model", "--acceptance", "0.8"], "--acceptance", "expected K=alpha"),
 ]
 
 
@@ -67,6 +69,8 @@ CONVERT = [
     (["--calib-seq-len", "1"], "--calib-seq-len", ">= 2"),
     (["--damp", "-0.01"], "--damp", ">= 0"),
     (["--seed", "-1"], "--seed", ">= 0"),
+    (["--draft-vocab", "0"], "--draft-vocab", "positive number of tokens"),
+    (["--draft-vocab", "most"], "--draft-vocab", "'auto' or 'full'"),
 ]
 
 
