@@ -113,8 +113,12 @@ def test_speed_model_of_a_checkpoint_config_uses_the_converters_defaults(capsys,
     (tmp_path / "config.json").write_text(json.dumps(config))
     out = _bench_json(capsys, "--speed-model", "--model", str(tmp_path))
     assert out["group_size"] == 64 and out["vocab_size"] == 49152
-    row = out["rows"]["full"]
-    assert "speedup" not in row and row["chips"]["M4 Max"]["speculative_tps"] is None
+    row = out["rows"]["package"]  # a checkpoint's default package keeps every row
+    assert (
+        row["draft_vocab"] == 49152
+        and "speedup" not in row
+        and row["chips"]["M4 Max"]["speculative_tps"] is None
+    )
     planes = sum(n * k // 2 for n, k in bitnest.linear_shapes({**config, "head_dim": 64}).values())
     scales = sum(
         n * k // 64 * 2 for n, k in bitnest.linear_shapes({**config, "head_dim": 64}).values()

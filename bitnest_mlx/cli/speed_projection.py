@@ -27,15 +27,16 @@ CONTEXT = 1024  # KV tokens the projection reads per step (a chat turn's worth)
 
 
 def acceptance_pair(value: str) -> tuple[int | str, float]:
-    """`K=α` (K a number of draft tokens or 'full', α in (0, 1))."""
+    """`K=α` (K a number of draft tokens, 'full' or 'package': as the package stores it; α in
+    (0, 1))."""
     k, _, alpha = value.partition("=")
     try:
-        size = k if k == "full" else int(k)
+        size = k if k in ("full", "package") else int(k)
         a = float(alpha)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r}: expected K=alpha, e.g. full=0.80") from None
-    if not 0 < a < 1 or (size != "full" and size < 1):
-        raise argparse.ArgumentTypeError(f"{value!r}: K >= 1 or 'full', 0 < alpha < 1")
+    if not 0 < a < 1 or (isinstance(size, int) and size < 1):
+        raise argparse.ArgumentTypeError(f"{value!r}: K >= 1, 'full' or 'package'; 0 < alpha < 1")
     return size, a
 
 
@@ -54,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         metavar="K=ALPHA",
         help="--speed-model: draft acceptance α (Σmin(p, q) per drafted token, e.g. from the "
-        "real-model page) at draft vocabulary K (a token count or 'full'); one row per pair",
+        "real-model page) at draft vocabulary K (a token count, 'full', or 'package': as the "
+        "package stores it, the one row without this flag); one row per pair",
     )
 
 
@@ -81,12 +83,13 @@ def skeleton(spec: PackageSpec):
 
 
 def project(path: Path, sizes: dict[int | str, float | None], context: int = CONTEXT) -> dict:
-    """Bytes per token and projected tok/s for each draft vocabulary size in `sizes` (K or
-    'full' -> acceptance α, or None for bytes only)."""
+    """Bytes per token and projected tok/s for each draft vocabulary size in `sizes` (K, 'full'
+    or 'package', the package's own -> acceptance α, or None for bytes only)."""
     spec = read(path).spec if is_package(path) else default_spec(path)
     rows = {}
     for size, alpha in sizes.items():
-        k = 0 if size == "full" or size >= spec.vocab_size else size
+        k = spec.draft_vocab if size == "package" else 0 if size == "full" else size
+        k = 0 if k >= spec.vocab_size else k
         roof = roofline(skeleton(replace(spec, draft_vocab=k)), context)
         per_token = roof["bytes_per_token"]
         row = {
@@ -139,7 +142,7 @@ def report(result: dict) -> str:
 
 
 def main(model: str, acceptance: list[tuple[int | str, float]] | None, as_json: bool) -> int:
-    sizes: dict[int | str, float | None] = dict(acceptance or [("full", None)])
+    sizes: dict[int | str, float | None] = dict(acceptance or [("package", None)])
     result = project(Path(model), sizes)
     print(json.dumps(result, indent=2) if as_json else report(result))
     return 0
