@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 
-from .layers.draft_vocab import draft_tokens
+from .layers.draft_vocab import draft_tokens, restrict_logits
 from .layers.options import DRAFT_KV, RunOptions
 from .roofline import model_kv8_limit, resolve_draft_kv, roofline, speed_model
 from .sampling import Sampler, acceptance_probability
@@ -61,7 +61,8 @@ def window_nll(logits: mx.array, window: list[int]) -> float:
 # CPU and gives the same logits up to float rounding (see RunOptions.dense_min_rows).
 _DENSE = RunOptions(dense_min_rows=32)
 # The draft reads every lm_head row here: its perplexity is the W4 model's (a reduced draft
-# vocabulary leaves it undefined); what speculation sees is `restrict_to_draft_vocab` of it.
+# vocabulary leaves it undefined); what speculation sees is `restrict_logits` of it
+# at the model's draft vocabulary.
 _READINGS = {
     "target": _DENSE,
     "float": replace(_DENSE, quantize_activations=False, quantize_kv=False),  # W8 weights only
@@ -72,15 +73,13 @@ _READINGS = {
 }
 
 
-def restrict_to_draft_vocab(model, logits: mx.array) -> mx.array:
-    """Full-vocabulary draft logits [..., V] as the model's reduced draft vocabulary head gives
-    them (§2.9): unchanged at its ids (the same W4 rows), -inf elsewhere; unchanged without one."""
-    head = getattr(model, "draft_head", None)
-    if head is None:
-        return logits
-    outside = mx.full((logits.shape[-1],), -mx.inf, dtype=logits.dtype)
-    outside[head.ids] = 0
-    return logits + outside
+def _against_target(
+    d: mx.array, best: mx.array, p: mx.array, sampler: Sampler
+) -> tuple[float, float]:
+    """(positions where draft logits d pick the target's argmax `best`, Σ over positions of
+    Σmin(p, q)), q the draft's distribution under `sampler`."""
+    agreement = mx.sum(mx.argmax(d, -1) == best).item()
+    return agreement, acceptance_probability(sampler.logprobs(d), p).sum().item()
 
 
 def _logits(model, window: list[int], reading: str) -> mx.array:
@@ -178,6 +177,7 @@ def evaluate(
     nll = dict.fromkeys((*modes, *DRAFT_KV), 0.0)
     agree, overlap = dict.fromkeys(DRAFT_KV, 0.0), dict.fromkeys(DRAFT_KV, 0.0)
     agree_all, overlap_all = dict.fromkeys(DRAFT_KV, 0.0), dict.fromkeys(DRAFT_KV, 0.0)
+    head = getattr(model, "draft_head", None)  # a reduced draft vocabulary (§2.9), or None
     n_pred = n_bytes = n_positions = 0
     for w in windows(tokens, window):
         logits = {r: _logits(model, w, r) for r in ("target", *(f"draft_kv{k}" for k in DRAFT_KV))}
@@ -191,11 +191,16 @@ def evaluate(
         for kv in DRAFT_KV:
             d = logits[f"draft_kv{kv}"]
             nll[kv] += window_nll(d, w)
-            agree_all[kv] += mx.sum(mx.argmax(d, -1) == best).item()
-            overlap_all[kv] += acceptance_probability(sampler.logprobs(d), p).sum().item()
-            d = restrict_to_draft_vocab(model, d)
-            agree[kv] += mx.sum(mx.argmax(d, -1) == best).item()
-            overlap[kv] += acceptance_probability(sampler.logprobs(d), p).sum().item()
+            every_row = _against_target(d, best, p, sampler)
+            # Without a draft vocabulary speculation sees every row: the same numbers.
+            if head is not None:
+                spec = _against_target(restrict_logits(d, head.ids), best, p, sampler)
+            else:
+                spec = every_row
+            agree_all[kv] += every_row[0]
+            overlap_all[kv] += every_row[1]
+            agree[kv] += spec[0]
+            overlap[kv] += spec[1]
         n_positions += len(w)
         n_pred += len(w) - 1
         n_bytes += len(tokenizer.decode(w[1:]).encode("utf-8"))

@@ -65,7 +65,7 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
     (`_linear_bytes`), plus one embedding row; the lm_head as `head_bytes` counts it."""
     draft = target = 0
     for name, m in model.named_modules():
-        if isinstance(m, DualPlaneLinear) and name != "lm_head" and not name.startswith("draft_"):
+        if isinstance(m, DualPlaneLinear) and name.split(".")[0] not in ("lm_head", "draft_head"):
             d, t = _linear_bytes(m)
             draft, target = draft + d, target + t
     head = head_bytes(model)

@@ -1,12 +1,13 @@
 """`bench --speed-model`: what a package reads per token and what that implies on Apple chips.
 
-For a package, or for the package the converter's defaults would write from a Hugging Face
-checkpoint's config.json (no weight is read, so the Llama-3.2-3B-dimension checkpoint of
-`examples/convert_real_size.sh` takes a second), the bytes per token of the draft, the target and
-their lm_head (`roofline`), at each reduced draft vocabulary asked for; then, for each chip, the
-target-only tok/s at its memory bandwidth and the speculative tok/s at the best γ for an
-acceptance α measured elsewhere (the real-model page): decoding is bandwidth-bound, so tok/s =
-bandwidth / bytes per token (docs/speculative.md). Nothing here is measured on a Mac.
+For a package (its manifest and config; no tensor is read), or for the package the converter's
+defaults would write from a Hugging Face checkpoint's config.json (no weight read either: the
+Llama-3.2-3B-dimension checkpoint of `examples/convert_real_size.sh` takes a second), the bytes
+per token of the draft, the target and their lm_head (`roofline`), at each reduced draft
+vocabulary asked for; then, for each chip, the target-only tok/s at its memory bandwidth and the
+speculative tok/s at the best γ for an acceptance α measured elsewhere (the real-model page):
+decoding is bandwidth-bound, so tok/s = bandwidth / bytes per token (docs/speculative.md).
+Nothing here is measured on a Mac.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..convert.defaults import GROUP_SIZE
-from ..formats.bitnest import choose_group_size, is_package, linear_shapes, read
+from ..formats.bitnest import choose_group_size, is_package, linear_shapes
+from ..formats.bitnest.reader import read_spec
 from ..formats.bitnest.spec import PackageSpec
 from ..formats.bitnest.writer import PackageWriter
 from ..roofline import PEAK_GBS, best_iid_speedup, roofline
@@ -85,7 +87,7 @@ def skeleton(spec: PackageSpec):
 def project(path: Path, sizes: dict[int | str, float | None], context: int = CONTEXT) -> dict:
     """Bytes per token and projected tok/s for each draft vocabulary size in `sizes` (K, 'full'
     or 'package', the package's own -> acceptance α, or None for bytes only)."""
-    spec = read(path).spec if is_package(path) else default_spec(path)
+    spec = read_spec(path) if is_package(path) else default_spec(path)
     rows = {}
     for size, alpha in sizes.items():
         k = spec.draft_vocab if size == "package" else 0 if size == "full" else size

@@ -25,7 +25,8 @@ import numpy as np
 
 from ..evaluation import SAMPLING, builtin_prompts
 from ..formats.bitnest.draft_vocab import add_draft_vocab
-from ..layers.draft_vocab import DraftVocabHead
+from ..formats.bitnest.files import read_json
+from ..layers.draft_vocab import DraftVocabHead, restrict_logits
 from ..layers.options import RunOptions
 from ..roofline import best_iid_speedup, roofline
 from ..sampling import acceptance_probability
@@ -87,9 +88,7 @@ def acceptance_by_size(model, texts: list[tuple[list[int], int]], ranked: np.nda
         every_row = replace(TEACHER_FORCED, mode="draft", draft_vocab=False)
         draft = model(x, options=every_row)[0, start - 1 : -1]
         for k in sizes:
-            outside = np.full(vocab, -np.inf, dtype=np.float32)
-            outside[ranked[:k]] = 0
-            q = SAMPLING.logprobs(draft + mx.array(outside))
+            q = SAMPLING.logprobs(restrict_logits(draft, mx.array(ranked[:k])))
             total[k] += acceptance_probability(q, p).sum().item()
         n += len(ids) - start
     return {k: total[k] / max(n, 1) for k in sizes}
@@ -133,11 +132,12 @@ def build_draft_vocab(
     from ..loader import load
 
     tic = time.perf_counter()
-    model, tokenizer = load(package)
-    vocab = model.args.vocab_size
+    # The writer's config.json: nothing to load when every row stays.
+    vocab = read_json(Path(package) / "config.json")["vocab_size"]
     full = size == "full" or (isinstance(size, int) and size >= vocab)
     if full or (size == "auto" and candidate_sizes(vocab) == [vocab]):
         return {"vocab_size": vocab, "kept": "full"}
+    model, tokenizer = load(package)
     texts = generate_with_target(model, tokenizer, seed)
     generated = generated_tokens(texts)
     context = math.ceil(np.mean([len(ids) for ids, _ in texts]))

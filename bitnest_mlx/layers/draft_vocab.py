@@ -63,6 +63,14 @@ class DraftVocabHead(nn.Module):
         return head
 
 
+def restrict_logits(logits: mx.array, ids: mx.array) -> mx.array:
+    """Logits [..., V] kept at `ids` and -inf at every other id: what a draft over those ids
+    scores, from the logits of every row (the same W4 rows)."""
+    outside = mx.full((logits.shape[-1],), -mx.inf, dtype=logits.dtype)
+    outside[ids] = 0
+    return logits + outside
+
+
 def draft_tokens(model: nn.Module) -> int:
     """The token ids a model's draft scores: its reduced vocabulary's K, else the vocabulary."""
     head = getattr(model, "draft_head", None)
