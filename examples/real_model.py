@@ -187,42 +187,59 @@ SWEPT = "joint g64+hadamard"  # the default package's weights with every lm_head
 SWEEP_SIZES = (8192, 16384, 32768, 0)  # the draft vocabulary sizes measured (0: every token)
 
 
-def vocab_sweep(directory: Path, k: int, texts: dict, limits: dict, args) -> dict:
-    """Scores of a package's draft restricted to its K most frequent tokens (the converter's
-    ranking: calibration text + the target's generations on the built-in prompts), attached
-    to the loaded model as the converter would store it; K = 0 keeps every token."""
-    import mlx.core as mx
+class VocabSweep:
+    """A package's draft restricted to its K most frequent tokens (the converter's ranking:
+    calibration text + the target's generations on the built-in prompts), attached to the
+    loaded model as the converter would store it; K = 0 keeps every token. The package is
+    loaded and its tokens ranked once, on the first K that is not already in the report."""
 
-    from bitnest_mlx.convert.calib import CALIB_TOKENS, calibration_tokens
-    from bitnest_mlx.convert.draft_vocab import generate_with_target, generated_tokens, rank_tokens
-    from bitnest_mlx.layers.draft_vocab import DraftVocabHead
+    def __init__(self, directory: Path):
+        self.directory, self.model, self.ranked = directory, None, None
 
-    model, tokenizer = bitnest_mlx.load(directory)
-    if model.draft_head is not None:
-        raise SystemExit(f"{directory}: has a draft vocabulary already; sweep a full one")
-    vocab = model.args.vocab_size
-    ranking = {}
-    if 0 < k < vocab:
-        calibration = calibration_tokens(tokenizer, None, CALIB_TOKENS, 256).ravel()
-        generated = generated_tokens(generate_with_target(model, tokenizer))
-        ranked = rank_tokens([calibration, generated], vocab)
-        ids = mx.array(np.sort(ranked[:k]).astype(np.int32))
-        model.draft_head = DraftVocabHead.from_lm_head(model.lm_head, ids)
-        ranking = {"generated_tokens": int(generated.size)}
-    return {
-        name: evaluate(
-            model,
-            tokenizer,
-            text,
-            ("target",),
-            limits[name],
-            args.window,
-            spec_tokens=0,
-            gen_tokens=0,
+    def _ranking(self) -> np.ndarray:
+        from bitnest_mlx.convert.calib import CALIB_TOKENS, calibration_tokens
+        from bitnest_mlx.convert.draft_vocab import (
+            generate_with_target,
+            generated_tokens,
+            rank_tokens,
         )
-        | ranking
-        for name, text in texts.items()
-    }
+
+        if self.model is None:
+            self.model, self.tokenizer = bitnest_mlx.load(self.directory)
+            if self.model.draft_head is not None:
+                raise SystemExit(
+                    f"{self.directory}: has a draft vocabulary already; sweep a full one"
+                )
+        if self.ranked is None:
+            calibration = calibration_tokens(self.tokenizer, None, CALIB_TOKENS, 256).ravel()
+            self.generated = generated_tokens(generate_with_target(self.model, self.tokenizer))
+            self.ranked = rank_tokens([calibration, self.generated], self.model.args.vocab_size)
+        return self.ranked
+
+    def score(self, k: int, texts: dict, limits: dict, args) -> dict:
+        from bitnest_mlx.layers.draft_vocab import DraftVocabHead
+
+        ranked = self._ranking()
+        vocab = self.model.args.vocab_size
+        self.model.draft_head, ranking = None, {}
+        if 0 < k < vocab:
+            ids = mx.array(np.sort(ranked[:k]).astype(np.int32))
+            self.model.draft_head = DraftVocabHead.from_lm_head(self.model.lm_head, ids)
+            ranking = {"generated_tokens": int(self.generated.size)}
+        return {
+            name: evaluate(
+                self.model,
+                self.tokenizer,
+                text,
+                ("target",),
+                limits[name],
+                args.window,
+                spec_tokens=0,
+                gen_tokens=0,
+            )
+            | ranking
+            for name, text in texts.items()
+        }
 
 
 def main() -> None:
@@ -285,6 +302,8 @@ def main() -> None:
     )
     report = json.loads(report_file.read_text()) if report_file.is_file() else {}
     settings = {"limits": limits, "window": args.window, "gen_tokens": args.gen_tokens}
+    # Rows without sampled runs (every one but the default's) do not depend on --gen-tokens.
+    unsampled = {**settings, "gen_tokens": 0}
     done = report.pop("_keys", {})  # row -> the key its cached result was computed under
 
     def cached(name: str, key: str, compute):
@@ -347,10 +366,11 @@ def main() -> None:
     if args.vocab_sweep in packages and not args.no_vocab_sweep:
         directory = args.cache / packages[args.vocab_sweep][0]
         manifest = (directory / "bitnest.json").read_bytes()
+        sweep = VocabSweep(directory)
         for k in SWEEP_SIZES:
             name = f"{args.vocab_sweep}, draft vocab {k or 'full'}"
-            key = hashlib.sha256(manifest + json.dumps({**settings, "k": k}).encode()).hexdigest()
-            res = cached(name, key, lambda k=k: vocab_sweep(directory, k, texts, limits, args))
+            key = hashlib.sha256(manifest + json.dumps({**unsampled, "k": k}).encode()).hexdigest()
+            res = cached(name, key, lambda k=k: sweep.score(k, texts, limits, args))
             rows.append(
                 (
                     name,
@@ -371,7 +391,7 @@ def main() -> None:
             source = load_gguf(gguf, Path(tmp))
             tok = load_tokenizer(Path(source.tokenizer_dir))
     tokens = {n: tok.encode(t)[: limits[n]] for n, t in texts.items()}
-    key = hashlib.sha256((model_sha + json.dumps(settings)).encode()).hexdigest()
+    key = hashlib.sha256((model_sha + json.dumps(unsampled)).encode()).hexdigest()
     bases = {k: v for k, v in BASES.items() if v in MLX_LM_BASES[args.model]}
     for suffix, basis in () if args.no_mlx_lm else bases.items():
         argmax8 = None
