@@ -19,7 +19,7 @@ METHODS = ("joint", "gptq", "rtn")
 class Method:
     """The converter's code-selection settings (see `cli/convert.py` for each one's meaning)."""
 
-    name: str = "joint"
+    name: str = "joint"  # the one method that bounds the target (docs/convert.md, item 7)
     damp: float = 0.01
     lo_method: str = "gptq"
     w8_slack: float | None = 3.0
