@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from functools import cached_property
 from pathlib import Path
 
 import mlx.core as mx
@@ -191,12 +192,21 @@ class VocabSweep:
     """A package's draft restricted to its K most frequent tokens (the converter's ranking:
     calibration text + the target's generations on the built-in prompts), attached to the
     loaded model as the converter would store it; K = 0 keeps every token. The package is
-    loaded and its tokens ranked once, on the first K that is not already in the report."""
+    loaded, and its tokens ranked, at most once: when a K not already in the report needs it."""
 
     def __init__(self, directory: Path):
-        self.directory, self.model, self.ranked = directory, None, None
+        self.directory = directory
 
-    def _ranking(self) -> np.ndarray:
+    @cached_property
+    def loaded(self) -> tuple:
+        model, tokenizer = bitnest_mlx.load(self.directory)
+        if model.draft_head is not None:
+            raise SystemExit(f"{self.directory}: has a draft vocabulary already; sweep a full one")
+        return model, tokenizer
+
+    @cached_property
+    def ranking(self) -> tuple[np.ndarray, int]:
+        """(token ids, most frequent first; how many generated tokens the ranking counted)."""
         from bitnest_mlx.convert.calib import CALIB_TOKENS, calibration_tokens
         from bitnest_mlx.convert.draft_vocab import (
             generate_with_target,
@@ -204,32 +214,25 @@ class VocabSweep:
             rank_tokens,
         )
 
-        if self.model is None:
-            self.model, self.tokenizer = bitnest_mlx.load(self.directory)
-            if self.model.draft_head is not None:
-                raise SystemExit(
-                    f"{self.directory}: has a draft vocabulary already; sweep a full one"
-                )
-        if self.ranked is None:
-            calibration = calibration_tokens(self.tokenizer, None, CALIB_TOKENS, 256).ravel()
-            self.generated = generated_tokens(generate_with_target(self.model, self.tokenizer))
-            self.ranked = rank_tokens([calibration, self.generated], self.model.args.vocab_size)
-        return self.ranked
+        model, tokenizer = self.loaded
+        calibration = calibration_tokens(tokenizer, None, CALIB_TOKENS, 256).ravel()
+        generated = generated_tokens(generate_with_target(model, tokenizer))
+        return rank_tokens([calibration, generated], model.args.vocab_size), int(generated.size)
 
     def score(self, k: int, texts: dict, limits: dict, args) -> dict:
         from bitnest_mlx.layers.draft_vocab import DraftVocabHead
 
-        ranked = self._ranking()
-        vocab = self.model.args.vocab_size
-        self.model.draft_head, ranking = None, {}
-        if 0 < k < vocab:
+        model, tokenizer = self.loaded
+        model.draft_head, ranking = None, {}
+        if 0 < k < model.args.vocab_size:
+            ranked, generated = self.ranking
             ids = mx.array(np.sort(ranked[:k]).astype(np.int32))
-            self.model.draft_head = DraftVocabHead.from_lm_head(self.model.lm_head, ids)
-            ranking = {"generated_tokens": int(self.generated.size)}
+            model.draft_head = DraftVocabHead.from_lm_head(model.lm_head, ids)
+            ranking = {"generated_tokens": generated}
         return {
             name: evaluate(
-                self.model,
-                self.tokenizer,
+                model,
+                tokenizer,
                 text,
                 ("target",),
                 limits[name],

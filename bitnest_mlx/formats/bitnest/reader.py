@@ -182,25 +182,26 @@ def _check_smoothing(f: Path, name: str, a: mx.array) -> None:
         raise _fail(f, name, msg)
 
 
-def _described(path: Path) -> tuple[Path, dict, dict]:
-    """(manifest file, manifest, config) after the rules that read no tensor."""
+def _described(path: Path) -> tuple[Path, dict, dict, int]:
+    """(manifest file, manifest, config, draft vocabulary size) after the rules that read no
+    tensor."""
     manifest_file = find_manifest(path)
     manifest = read_json(manifest_file)
     check_manifest(manifest, manifest_file)
-    draft_vocab_size(manifest, manifest_file)
+    draft_vocab = draft_vocab_size(manifest, manifest_file)
     config = load_config(path, manifest, manifest_file)
     kv_group = (manifest.get("kv") or {}).get("group", config["head_dim"])
     if config["head_dim"] % kv_group:
         raise PackageError(
             f"{manifest_file}: kv.group = {kv_group} does not divide head_dim {config['head_dim']}"
         )
-    return manifest_file, manifest, config
+    return manifest_file, manifest, config, draft_vocab
 
 
 def read_spec(path: str | Path) -> PackageSpec:
     """A package's model description from its manifest and config alone, no tensor read (sizes
     and bytes per token; `read` validates the whole package before anything runs on it)."""
-    _, manifest, config = _described(Path(path))
+    _, manifest, config, _ = _described(Path(path))
     return PackageSpec.from_package(manifest, config)
 
 
@@ -210,8 +211,7 @@ def read(path: str | Path, verify: bool = False) -> Package:
     `verify`: also hash the data against the manifest's checksums (§2.6), naming the first file
     that differs; without it only the checks that read no tensor data run."""
     path = Path(path)
-    manifest_file, manifest, config = _described(path)
-    draft_vocab = draft_vocab_size(manifest, manifest_file)
+    manifest_file, manifest, config, draft_vocab = _described(path)
     has_config = (path / "config.json").is_file()
     dims_from = "config.json" if has_config else f"the layer-0 shapes in {manifest_file.name}"
     linears = _check_linears(manifest, config, manifest_file, dims_from)
