@@ -159,7 +159,9 @@ class Calibration:
             layer, weights, {n: s.add for n, s in sums.items()}, skip=LAST_LINEAR
         )
         self._run(block, _FLOAT, update=False)
-        return {name: sums[SHARED_INPUT.get(name, name)].value() for name in LAYER_LINEARS}
+        values = {name: s.value() for name, s in sums.items()}
+        # Shared inputs share one array: the quantizer factors it once per layer input.
+        return {name: values[SHARED_INPUT.get(name, name)] for name in LAYER_LINEARS}
 
     def _float_block(
         self,

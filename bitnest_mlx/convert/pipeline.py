@@ -32,6 +32,7 @@ from .package import layer_names, stored_embedding, stored_head, stored_layer
 from .rotation import Rotation
 from .sources import Source
 from .stages import Stages
+from .workers import LinearPool
 
 # Quantizes one Linear: (full name, stored float weight [N, K], input Hessian or None)
 # -> (planes, per-Linear diagnostics for the manifest).
@@ -102,6 +103,7 @@ def build(
     quantized (so it can hold the diagnostics and the stages' resources)."""
     own_stages = Stages() if stages is None else None
     stages = stages or own_stages
+    pool: LinearPool | None = None
     try:
         config = source.config  # completed by the source: head_dim, kv heads, RoPE
         group = _check_source(source, config, group_size)
@@ -116,12 +118,7 @@ def build(
         biased = {lin for lin in shapes if f"{lin}.bias" in available}
         stats = {} if per_linear is None else per_linear
 
-        def choose(lin: str, w: np.ndarray, h: np.ndarray | None, factors: dict) -> Planes:
-            with stages("quantize"):
-                if quantize is not None:
-                    planes, errors = quantize(lin, w), {}
-                else:
-                    planes, errors = method.quantize(w, h, group, factors)
+        def record(lin: str, planes: Planes, errors: dict) -> Planes:
             stats[lin] = {
                 **{key: round(v, 4) for key, v in errors.items()},
                 "saturation": round(planes.saturation, 6),
@@ -137,6 +134,15 @@ def build(
                     file=sys.stderr,
                 )
             return planes
+
+        def choose_layer(
+            prefix: str, w: Mapping[str, np.ndarray], hessians: Mapping[str, np.ndarray]
+        ) -> dict[str, tuple[Planes, dict]]:
+            weights = {lin: w[f"{lin}.weight"] for lin in LAYER_LINEARS}
+            with stages("quantize"):
+                if quantize is not None:
+                    return {lin: (quantize(prefix + lin, x), {}) for lin, x in weights.items()}
+                return pool.quantize_layer(weights, hessians)
 
         writer = PackageWriter(
             out_dir,
@@ -159,6 +165,7 @@ def build(
             del embed_f32
         with stages("write"):
             writer.add("model.embed_tokens.weight", embed)
+        pool = LinearPool(method, group, None if quantize is None else 1)
         calib = None
         if tokens is not None and method.calibrated and quantize is None:
             with stages("calibrate"):
@@ -178,12 +185,12 @@ def build(
             if calib is not None:
                 with stages("calibrate"):
                     hessians = calib.hessians(i, w)
-            planes, factors = {}, {}
+            planes, chosen = {}, choose_layer(p, w, hessians)
             for lin in LAYER_LINEARS:
-                planes[lin] = choose(p + lin, w[f"{lin}.weight"], hessians.get(lin), factors)
+                planes[lin] = record(p + lin, *chosen[lin])
                 with stages("write"):
                     writer.add_linear(p + lin, planes[lin], w.get(f"{lin}.bias"))
-            del factors, hessians
+            del hessians, chosen
             if calib is not None:
                 with stages("calibrate"):
                     calib.advance(i, planes, w)
@@ -197,7 +204,12 @@ def build(
             with stages("calibrate"):
                 h = calib.final_hessian()
                 del calib
-        planes = choose("lm_head", head, h, {})
+        with stages("quantize"):
+            if quantize is not None:
+                planes, errors = quantize("lm_head", head), {}
+            else:
+                planes, errors = method.quantize(head, h, group, {})
+        planes = record("lm_head", planes, errors)
         del head, h
         with stages("write"):
             writer.add_linear("lm_head", planes)
@@ -205,6 +217,8 @@ def build(
             bar.close()
             return writer.finish(notes() if callable(notes) else notes)
     finally:
+        if pool is not None:
+            pool.close()
         if own_stages is not None:
             own_stages.close()
 
