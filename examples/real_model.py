@@ -206,18 +206,15 @@ class VocabSweep:
 
     @cached_property
     def ranking(self) -> tuple[np.ndarray, int]:
-        """(token ids, most frequent first; how many generated tokens the ranking counted)."""
+        """(token ids, most frequent first; how many held-out tokens the ranking counted), as
+        the converter ranks them."""
         from bitnest_mlx.convert.calib import CALIB_TOKENS, calibration_tokens
-        from bitnest_mlx.convert.draft_vocab import (
-            generate_with_target,
-            generated_tokens,
-            rank_tokens,
-        )
+        from bitnest_mlx.convert.draft_vocab import rank_package_tokens, split_held_out
 
         model, tokenizer = self.loaded
-        calibration = calibration_tokens(tokenizer, None, CALIB_TOKENS, 256).ravel()
-        generated = generated_tokens(generate_with_target(model, tokenizer))
-        return rank_tokens([calibration, generated], model.args.vocab_size), int(generated.size)
+        calibration = calibration_tokens(tokenizer, None, CALIB_TOKENS, 256)
+        ranked, _ = rank_package_tokens(model, calibration)
+        return ranked, int(split_held_out(calibration)[1].size)
 
     def score(self, k: int, texts: dict, limits: dict, args) -> dict:
         from bitnest_mlx.layers.draft_vocab import DraftVocabHead
@@ -225,10 +222,10 @@ class VocabSweep:
         model, tokenizer = self.loaded
         model.draft_head, ranking = None, {}
         if 0 < k < model.args.vocab_size:
-            ranked, generated = self.ranking
+            ranked, held_out = self.ranking
             ids = mx.array(np.sort(ranked[:k]).astype(np.int32))
             model.draft_head = DraftVocabHead.from_lm_head(model.lm_head, ids)
-            ranking = {"generated_tokens": generated}
+            ranking = {"held_out_tokens": held_out}
         return {
             name: evaluate(
                 model,

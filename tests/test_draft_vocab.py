@@ -172,15 +172,29 @@ def test_block_without_tensor_is_refused_and_adding_twice_is_refused(packages, t
 
 
 def test_ranking_weighs_each_source_once_and_breaks_ties_by_lower_id():
-    from bitnest_mlx.convert.draft_vocab import candidate_sizes, rank_tokens
+    from bitnest_mlx.convert.draft_vocab import candidate_sizes, rank_tokens, token_frequencies
 
     calibration = np.array([7] * 90 + [3] * 10)  # 7 most frequent there
-    generated = np.array([5, 5, 3])  # 5 most frequent in the (short) generations
-    order = rank_tokens([calibration, generated], 10)
+    own = np.zeros(10)
+    own[[5, 3]] = [2 / 3, 1 / 3]  # the model's own distribution: mostly 5
+    order = rank_tokens([token_frequencies(calibration, 10), own])
     # scores: 7 → 0.9, 5 → 0.667, 3 → 0.1 + 0.333; the unseen ids follow in id order
     assert order.tolist() == [7, 5, 3, 0, 1, 2, 4, 6, 8, 9]
     assert candidate_sizes(8192) == [8192]
     assert candidate_sizes(49152) == [8192, 16384, 32768, 49152]
+
+
+def test_held_out_sequences_are_the_last_ones_and_never_more_than_half():
+    from bitnest_mlx.convert.draft_vocab import HELD_OUT_TOKENS, split_held_out
+
+    calibration = np.arange(40 * 256).reshape(40, 256)
+    rest, held = split_held_out(calibration)
+    assert held.size == HELD_OUT_TOKENS == 1024
+    np.testing.assert_array_equal(held, calibration[-4:])
+    np.testing.assert_array_equal(rest, calibration[:-4])
+    assert split_held_out(np.zeros((3, 64)))[1].shape == (1, 64)  # 16 wanted, 1 allowed
+    one = np.zeros((1, 8))
+    assert all(part is one for part in split_held_out(one))
 
 
 @pytest.fixture(scope="module")
@@ -189,55 +203,55 @@ def wide_vocab_model(tmp_path_factory):
     return tiny_package(tmp_path_factory.mktemp("wide") / "pkg", seed=5, vocab=20000)
 
 
-def test_bytes_model_drops_rows_only_when_the_acceptance_pays_for_them(
-    wide_vocab_model, monkeypatch
-):
+def test_bytes_model_drops_rows_only_when_the_acceptance_pays_for_them(wide_vocab_model):
     from bitnest_mlx.convert import draft_vocab
 
-    model, calibration, texts = wide_vocab_model, np.arange(100), [([1, 2, 3], 1)]
+    model = wide_vocab_model
     sizes = draft_vocab.candidate_sizes(20000)
     assert sizes == [8192, 16384, 20000]
     # The same acceptance at every K: the fewest rows are the cheapest draft.
-    monkeypatch.setattr(draft_vocab, "acceptance_by_size", lambda *a: dict.fromkeys(sizes, 0.8))
-    k, table = draft_vocab.choose_draft_vocab(model, calibration, texts, context=64)
+    k, table = draft_vocab.choose_draft_vocab(model, dict.fromkeys(sizes, 0.8), context=64)
     assert k == 8192 and table["8192"]["speedup"] > table["20000"]["speedup"]
     assert table["8192"]["cost_ratio"] < table["16384"]["cost_ratio"] < table["20000"]["cost_ratio"]
     assert model.draft_head is None  # the trial heads are gone
     # Acceptance collapsing without the last rows: the full vocabulary wins.
     alphas = {8192: 0.3, 16384: 0.5, 20000: 0.8}
-    monkeypatch.setattr(draft_vocab, "acceptance_by_size", lambda *a: alphas)
-    k, table = draft_vocab.choose_draft_vocab(model, calibration, texts, context=64)
+    k, table = draft_vocab.choose_draft_vocab(model, alphas, context=64)
     assert k == 20000 and table["20000"]["acceptance"] == 0.8
 
 
-def test_acceptance_of_the_full_vocabulary_is_the_drafts_sum_min_on_the_generated_positions(
+def test_acceptance_is_the_drafts_sum_min_and_the_own_text_the_targets_mean_distribution(
     wide_vocab_model,
 ):
     from bitnest_mlx.convert.draft_vocab import acceptance_by_size
     from bitnest_mlx.evaluation import SAMPLING
-    from bitnest_mlx.sampling import acceptance_probability
+    from bitnest_mlx.sampling import Sampler, acceptance_probability
 
     model = wide_vocab_model
     ids, start = [5, 17, 300, 9, 12000, 4], 2
-    alphas = acceptance_by_size(model, [(ids, start)], np.arange(20000))
+    alphas, own = acceptance_by_size(model, [(ids, start)], np.arange(20000))
     x = mx.array(ids)[None]
-    p = SAMPLING.logprobs(model(x, mode="target")[0, start - 1 : -1])
-    q = SAMPLING.logprobs(model(x, mode="draft")[0, start - 1 : -1])
+    temp = Sampler(temp=SAMPLING.temp)  # the eval's temperature, no nucleus
+    p = temp.logprobs(model(x, mode="target")[0, start - 1 : -1])
+    q = temp.logprobs(model(x, mode="draft")[0, start - 1 : -1])
     want = acceptance_probability(q, p).mean().item()
     assert alphas[20000] == pytest.approx(want, rel=1e-4)
     assert 0 < alphas[8192] < 1
+    np.testing.assert_allclose(own, np.array(mx.exp(p).mean(axis=0)), rtol=1e-4, atol=1e-9)
+    assert own.sum() == pytest.approx(1.0, rel=1e-4)
 
 
 def test_build_draft_vocab_stores_the_top_k_of_both_sources_in_the_package(tmp_path):
     from bitnest_mlx.convert.draft_vocab import build_draft_vocab
 
     tiny_package(tmp_path / "pkg", seed=2, vocab=300)  # the byte tokenizer's 257 ids fit
-    calibration = np.array([9, 9, 9, 40, 40, 263])
+    rng = np.random.default_rng(0)
+    calibration = rng.choice([9, 40, 263, 7, 70], size=(6, 32))  # 6 sequences of 32
     record = build_draft_vocab(tmp_path / "pkg", calibration, size=16)
     model, _ = bitnest_mlx.load(tmp_path / "pkg")
     kept = np.array(model.draft_head.ids).tolist()
-    assert record["vocab_size"] == 16 == len(kept) and {9, 40, 263} <= set(kept)
-    assert record["generated_tokens"] == 3 * 128
+    assert record["vocab_size"] == 16 == len(kept) and {9, 40, 263, 7, 70} <= set(kept)
+    assert record["held_out_tokens"] == 3 * 32  # half of the sequences at most
     assert all(0 < r["acceptance"] <= 1 for r in record["candidates"].values())
     assert record["chosen_by"] == "--draft-vocab"
     full = build_draft_vocab(

@@ -149,7 +149,7 @@ def convert(
             )
             source.close()
             with stages("draft_vocab"):
-                draft = build_draft_vocab(tmp, tokens, draft_vocab, seed)
+                draft = build_draft_vocab(tmp, tokens, draft_vocab)
     finally:
         stages.close()
     layers = [s for n, s in per_linear.items() if n != "lm_head"]

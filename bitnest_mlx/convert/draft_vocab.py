@@ -1,21 +1,23 @@
 """Choosing a package's reduced draft vocabulary (docs/bitnest-package.md §2.9, docs/convert.md).
 
-Tokens are ranked by how often they occur in the calibration text and in the target's own
-generations on the built-in prompts (each source weighted 1, so a large calibration set does not
-drown what the model itself writes); ties go to the lower id, since BPE vocabularies number
-tokens in merge order, roughly by frequency in the tokenizer's own corpus.
+Tokens are ranked by two frequencies, each weighted 1 (so a large calibration set does not drown
+what the model itself writes): how often they occur in the calibration text, and the target's
+own next-token distribution averaged over held-out calibration sequences (teacher-forced: what
+the model would write at each of their positions); ties go to the lower id, since BPE
+vocabularies number tokens in merge order, roughly by frequency in the tokenizer's own corpus.
+Teacher forcing costs two batched passes over those sequences; sampling the model's own text
+would cost one decode step per token, which on a CPU is most of a conversion's time.
 
 The size K comes from the bytes model (`roofline`): a draft over K ids reads fewer lm_head bytes
 per token (cost ratio c_K) but cannot propose a token outside them. Its acceptance α_K is
-measured directly: the mean Σ min(p, q_K) over the generated positions, teacher-forced, with q_K
-the draft restricted to the top K of the ranking built without those generations (held out).
-K maximises the projected speedup tokens(α_K, γ) / (γ·c_K + 1) at the best γ, among powers of
-two from 8192 below the vocabulary and the full vocabulary; no constant is fitted.
+measured directly: the mean Σ min(p, q_K) over the held-out positions, with q_K the draft
+restricted to the top K of the ranking built without those sequences. K maximises the
+projected speedup tokens(α_K, γ) / (γ·c_K + 1) at the best γ, among powers of two from 8192
+below the vocabulary and the full vocabulary; no constant is fitted.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -23,19 +25,24 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..evaluation import SAMPLING, builtin_prompts
+from ..evaluation import SAMPLING
 from ..formats.bitnest.draft_vocab import add_draft_vocab
 from ..formats.bitnest.files import read_json
 from ..layers.draft_vocab import DraftVocabHead, restrict_logits
 from ..layers.options import RunOptions
 from ..roofline import best_iid_speedup, roofline
-from ..sampling import acceptance_probability
-from ..speculative import speculative_generate_step
 
 SMALLEST_K = 8192
-GEN_TOKENS = 128  # per built-in prompt: the target's own text, beside the calibration text
-# Whole texts at once: the dense path (RunOptions.dense_min_rows), as eval's teacher forcing.
+HELD_OUT_TOKENS = 1024  # calibration positions teacher-forced for α_K and the model's own text
+# Whole sequences at once: the dense path (RunOptions.dense_min_rows), as eval's teacher forcing.
 TEACHER_FORCED = RunOptions(dense_min_rows=32)
+# Positions per teacher-forced call: its sequences share one dequantization of the weights, and
+# its [positions, V] float32 logits stay a few hundred MB.
+TEACHER_ROWS = 512
+METHOD = (
+    "frequency in the calibration text + the target's next-token distribution on held-out "
+    "calibration sequences (teacher-forced), each weighted 1; ties to the lower id"
+)
 
 
 def candidate_sizes(vocab_size: int) -> list[int]:
@@ -44,67 +51,80 @@ def candidate_sizes(vocab_size: int) -> list[int]:
     return [*sizes, vocab_size]
 
 
-def rank_tokens(sources: list[np.ndarray], vocab_size: int) -> np.ndarray:
-    """Every token id, most frequent first: each source's relative frequencies summed (a source
-    weighs 1 whatever its length), ties to the lower id."""
-    score = np.zeros(vocab_size)
-    for ids in sources:
-        if ids.size:
-            score += np.bincount(ids.ravel(), minlength=vocab_size)[:vocab_size] / ids.size
-    return np.lexsort((np.arange(vocab_size), -score))
+def token_frequencies(ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Each id's share of `ids` [vocab_size] (zeros when there are none)."""
+    if not ids.size:
+        return np.zeros(vocab_size)
+    return np.bincount(ids.ravel(), minlength=vocab_size)[:vocab_size] / ids.size
 
 
-def generate_with_target(model, tokenizer, seed: int = 0) -> list[tuple[list[int], int]]:
-    """The target's own text on the built-in prompts: (prompt + GEN_TOKENS sampled tokens,
-    prompt length) per prompt, seeded, target-only (`SAMPLING`, the eval's settings)."""
-    out = []
-    for ids in builtin_prompts(tokenizer).values():
-        steps = speculative_generate_step(
-            mx.array(ids, dtype=mx.uint32),
-            model,
-            max_tokens=GEN_TOKENS,
-            sampler=SAMPLING,
-            num_draft_tokens=0,
-            seed=seed,
-        )
-        out.append((list(ids) + [t for t, _, _ in steps], len(ids)))
+def rank_tokens(frequencies: list[np.ndarray]) -> np.ndarray:
+    """Every token id, most frequent first by the summed frequencies ([V] each, summing to 1:
+    each source weighs 1 whatever its length), ties to the lower id."""
+    score = np.sum(frequencies, axis=0)
+    return np.lexsort((np.arange(len(score)), -score))
+
+
+def split_held_out(calibration: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ranking part, held-out sequences) of calibration tokens [n_seq, seq_len]: the last
+    ⌈HELD_OUT_TOKENS / seq_len⌉ sequences, at most half of them, are held out. A single
+    sequence is both (nothing can be held out)."""
+    n, length = calibration.shape
+    if n == 1:
+        return calibration, calibration
+    m = min(-(-HELD_OUT_TOKENS // length), n // 2)
+    return calibration[:-m], calibration[-m:]
+
+
+def _batches(texts: list[tuple[list[int], int]]) -> list[list[tuple[list[int], int]]]:
+    """Consecutive texts of one length and start, up to TEACHER_ROWS positions a batch."""
+    out: list[list] = []
+    for text in texts:
+        last = out[-1] if out else None
+        fits = last and (len(last) + 1) * len(text[0]) <= TEACHER_ROWS
+        if last and fits and (len(last[0][0]), last[0][1]) == (len(text[0]), text[1]):
+            last.append(text)
+        else:
+            out.append([text])
     return out
 
 
-def generated_tokens(texts: list[tuple[list[int], int]]) -> np.ndarray:
-    """The generated part of `generate_with_target`'s texts, as one array of ids."""
-    return np.array([t for ids, start in texts for t in ids[start:]], dtype=np.int64)
-
-
-def acceptance_by_size(model, texts: list[tuple[list[int], int]], ranked: np.ndarray) -> dict:
-    """α_K for each candidate K: mean Σ min(p, q_K) over the generated positions of `texts`
-    (teacher-forced), q_K the W4 draft restricted to the first K ids of `ranked`."""
+def acceptance_by_size(
+    model, texts: list[tuple[list[int], int]], ranked: np.ndarray
+) -> tuple[dict[int, float], np.ndarray]:
+    """(α_K for each candidate K, the target's mean next-token distribution [V]) over the
+    positions of `texts` (ids, start) from `start` on, teacher-forced: α_K is the mean
+    Σ min(p, q_K), q_K the W4 draft restricted to the first K ids of `ranked`, both at the
+    eval's temperature. Without its nucleus (top-p): that is a sort of every row per K, which
+    costs more than the forward passes, and it changes α_K alike at every K."""
     vocab = model.args.vocab_size
     sizes = candidate_sizes(vocab)
     total, n = dict.fromkeys(sizes, 0.0), 0
-    for ids, start in texts:
-        x = mx.array(ids)[None]
-        p = SAMPLING.logprobs(model(x, options=TEACHER_FORCED)[0, start - 1 : -1])
-        every_row = replace(TEACHER_FORCED, mode="draft", draft_vocab=False)
-        draft = model(x, options=every_row)[0, start - 1 : -1]
+    own = mx.zeros((vocab,))
+    every_row = replace(TEACHER_FORCED, mode="draft", draft_vocab=False)
+    for batch in _batches(texts):
+        x, start = mx.array([ids for ids, _ in batch]), batch[0][1]
+        logits = [
+            model(x, options=o)[:, start - 1 : -1].reshape(-1, vocab) / SAMPLING.temp
+            for o in (TEACHER_FORCED, every_row)
+        ]
+        p = mx.softmax(logits[0].astype(mx.float32), axis=-1)
+        mx.eval(p)
+        own = own + p.sum(axis=0)
         for k in sizes:
-            q = SAMPLING.logprobs(restrict_logits(draft, mx.array(ranked[:k])))
-            total[k] += acceptance_probability(q, p).sum().item()
-        n += len(ids) - start
-    return {k: total[k] / max(n, 1) for k in sizes}
+            q = mx.softmax(restrict_logits(logits[1], mx.array(ranked[:k])), axis=-1)
+            total[k] += mx.minimum(q.astype(mx.float32), p).sum().item()
+        n += len(p)
+    return {k: total[k] / max(n, 1) for k in sizes}, np.array(own) / max(n, 1)
 
 
-def choose_draft_vocab(
-    model, calibration: np.ndarray, texts: list[tuple[list[int], int]], context: int
-) -> tuple[int, dict]:
-    """K by the bytes model (module docstring) and the table behind the choice."""
+def choose_draft_vocab(model, alphas: dict[int, float], context: int) -> tuple[int, dict]:
+    """K by the bytes model (module docstring) from the measured α_K, and the table behind it."""
     vocab = model.args.vocab_size
-    held_out = rank_tokens([calibration], vocab)
-    alphas = acceptance_by_size(model, texts, held_out)
     rows = {}
     for k, alpha in alphas.items():
         if k < vocab:
-            ids = mx.array(np.sort(held_out[:k]).astype(np.int32))
+            ids = mx.array(np.arange(k, dtype=np.int32))  # which ids does not change the bytes
             model.draft_head = DraftVocabHead.from_lm_head(model.lm_head, ids)
         roof = roofline(model, context)["bytes_per_token"]
         model.draft_head = None
@@ -122,13 +142,25 @@ def choose_draft_vocab(
     return k, rows
 
 
+def rank_package_tokens(model, calibration: np.ndarray) -> tuple[np.ndarray, dict[int, float]]:
+    """(the ranking of every id, α_K per candidate K) for a loaded package and its calibration
+    tokens [n_seq, seq_len]: α_K measured on the held-out sequences with the ranking of the
+    rest, the returned ranking from all of the calibration text and the target's own
+    distribution on the held-out sequences."""
+    vocab = model.args.vocab_size
+    rest, held = split_held_out(calibration)
+    texts = [([int(t) for t in seq], 1) for seq in held]
+    alphas, own = acceptance_by_size(model, texts, rank_tokens([token_frequencies(rest, vocab)]))
+    return rank_tokens([token_frequencies(calibration, vocab), own]), alphas
+
+
 def build_draft_vocab(
-    package: str | Path, calibration: np.ndarray, size: int | str = "auto", seed: int = 0
+    package: str | Path, calibration: np.ndarray, size: int | str = "auto"
 ) -> dict:
     """Rank the tokens of a written package's vocabulary and store the top K as its draft
     vocabulary (`add_draft_vocab`), K = `size` or, for "auto", `choose_draft_vocab`'s; "full"
-    or a K of at least the vocabulary stores none. Returns the record kept in the manifest's
-    `draft.ranking` (the same without a draft block)."""
+    or a K of at least the vocabulary stores none. `calibration` is [n_seq, seq_len]. Returns
+    the record kept in the manifest's `draft.ranking` (the same without a draft block)."""
     from ..loader import load
 
     tic = time.perf_counter()
@@ -137,17 +169,15 @@ def build_draft_vocab(
     full = size == "full" or (isinstance(size, int) and size >= vocab)
     if full or (size == "auto" and candidate_sizes(vocab) == [vocab]):
         return {"vocab_size": vocab, "kept": "full"}
-    model, tokenizer = load(package)
-    texts = generate_with_target(model, tokenizer, seed)
-    generated = generated_tokens(texts)
-    context = math.ceil(np.mean([len(ids) for ids, _ in texts]))
-    k, table = choose_draft_vocab(model, calibration, texts, context)
+    calibration = np.atleast_2d(calibration)
+    model, _ = load(package)
+    ranked, alphas = rank_package_tokens(model, calibration)
+    k, table = choose_draft_vocab(model, alphas, context=calibration.shape[1])
     k = k if size == "auto" else int(size)
     record = {
-        "method": "frequency in the calibration text + the target's generations on the "
-        "built-in prompts, each weighted 1; ties to the lower id",
+        "method": METHOD,
         "calibration_tokens": int(calibration.size),
-        "generated_tokens": int(generated.size),
+        "held_out_tokens": int(split_held_out(calibration)[1].size),
         "chosen_by": "bytes model" if size == "auto" else "--draft-vocab",
         "candidates": table,
         "seconds": round(time.perf_counter() - tic, 1),
@@ -155,6 +185,5 @@ def build_draft_vocab(
     del model
     if k >= vocab:
         return {"vocab_size": vocab, "kept": "full", **record}
-    ranked = rank_tokens([calibration, generated], vocab)
     add_draft_vocab(package, np.sort(ranked[:k]), record)
     return {"vocab_size": k, **record}
