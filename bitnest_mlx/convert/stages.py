@@ -2,8 +2,9 @@
 draft_vocab).
 
 The process's peak RSS (`getrusage`) only says the maximum so far, so a sampling thread reads the
-current RSS every `interval` seconds and charges it to the stage running then; the process peak
-is reported beside. Stages may be entered many times (once per layer); their times add up.
+current RSS of the process and its children (the quantization workers) every `interval` seconds
+and charges it to the stage running then; the peak is reported beside. Stages may be entered
+many times (once per layer); their times add up.
 """
 
 from __future__ import annotations
@@ -19,11 +20,29 @@ STAGES = ("read", "calibrate", "quantize", "write", "draft_vocab")
 _PAGE = 4096
 
 
+def _statm_rss(pid: str) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):  # the process has just exited
+        return 0
+
+
+def _children() -> list[str]:
+    """This process's child pids (Linux), e.g. the quantization workers."""
+    out = []
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            out += (task / "children").read_text().split()
+        except OSError:
+            pass
+    return out
+
+
 def current_rss() -> int:
-    """Resident bytes of this process now (Linux /proc; elsewhere the peak so far)."""
-    statm = Path("/proc/self/statm")
-    if statm.is_file():
-        return int(statm.read_text().split()[1]) * _PAGE
+    """Resident bytes of this process and its children now (Linux /proc; elsewhere this
+    process's peak so far)."""
+    if Path("/proc/self/statm").is_file():
+        return _statm_rss("self") + sum(_statm_rss(pid) for pid in _children())
     return peak_rss()
 
 
