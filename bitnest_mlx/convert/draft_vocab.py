@@ -37,8 +37,8 @@ HELD_OUT_TOKENS = 1024  # calibration positions teacher-forced for α_K and the 
 # Whole sequences at once: the dense path (RunOptions.dense_min_rows), as eval's teacher forcing.
 TEACHER_FORCED = RunOptions(dense_min_rows=32)
 # Positions per teacher-forced call: its sequences share one dequantization of the weights, and
-# its [positions, V] float32 logits stay a few hundred MB.
-TEACHER_ROWS = 512
+# its [positions, V] float32 logits (several alive at once) stay ~150 MB each at V = 152k.
+TEACHER_ROWS = 256
 METHOD = (
     "frequency in the calibration text + the target's next-token distribution on held-out "
     "calibration sequences (teacher-forced), each weighted 1; ties to the lower id"

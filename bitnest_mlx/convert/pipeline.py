@@ -197,6 +197,7 @@ def build(
             del w, planes
             bar.update()
 
+        pool.close()  # lm_head is one task: the workers' memory is better spent on it
         with stages("read"):
             head = stored_head(source, rotation, smoothing)
         h = None
