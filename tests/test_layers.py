@@ -17,7 +17,7 @@ from numpy_reference import a8_codes, dequant, kv_codes, r4_matrix, unpack_codes
 from bitnest_mlx.formats import bitnest
 from bitnest_mlx.formats.bitnest import a8
 from bitnest_mlx.formats.hadamard import hadamard_k, r4_transform
-from bitnest_mlx.layers import plane_stack
+from bitnest_mlx.layers import dual_plane, plane_stack
 from bitnest_mlx.layers.dual_plane import DualPlaneLinear, project, swiglu
 from bitnest_mlx.layers.hadamard import OnlineHadamard
 from bitnest_mlx.layers.nested_kv import NestedKVCache, nest_dequantize, nest_quantize
@@ -175,8 +175,14 @@ def test_dual_plane_linear_equals_matmul_with_dequantized_weights(draft, group):
     dense_options = RunOptions(mode, quantize_activations=False, dense_min_rows=8)
     with mock.patch.object(DualPlaneLinear, "dequantized", wraps=layer.dequantized) as spy:
         dense = np.array(layer(mx.array(x), dense_options))
-    spy.assert_called_once_with(draft)
+    spy.assert_called_once_with(draft, slice(0, n))
     assert np.abs(dense - want).max() <= 1e-5 * np.abs(want).max()
+    # A weight over the dense block (an lm_head) is dequantized 10 rows at a time: same product.
+    with mock.patch.object(dual_plane, "DENSE_BLOCK_WEIGHTS", 10 * k):
+        with mock.patch.object(DualPlaneLinear, "dequantized", wraps=layer.dequantized) as spy:
+            blocked = np.array(layer(mx.array(x), dense_options))
+    assert [c.args[1] for c in spy.call_args_list] == [slice(0, 10), slice(10, 20), slice(20, 24)]
+    assert np.abs(blocked - dense).max() <= 1e-6 * np.abs(want).max()
 
 
 def planes_linear(n: int, k: int, seed: int) -> DualPlaneLinear:

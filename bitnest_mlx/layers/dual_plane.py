@@ -13,6 +13,8 @@ from . import plane_stack
 from .options import RunOptions
 
 _DEFAULT = RunOptions()
+# The dense path dequantizes at most this many weights at a time (64 MB in float32).
+DENSE_BLOCK_WEIGHTS = 2**24
 
 
 class DualPlaneLinear(nn.Module):
@@ -60,16 +62,30 @@ class DualPlaneLinear(nn.Module):
 
     def _pure(self, x: mx.array, draft: bool, dense_min_rows: int = 0) -> mx.array:
         if dense_min_rows and x.size >= dense_min_rows * x.shape[-1]:
-            return x @ self.dequantized(draft).astype(x.dtype).T
+            # The input first: in one lazy graph of a whole model MLX computes the weight-only
+            # dequantizations early, so every layer's dense weights would be alive at once
+            # (GBs for a 0.5B). Long teacher-forced passes do not notice the sync.
+            mx.eval(x)
+            n = self.hi.shape[0]
+            block = max(1, DENSE_BLOCK_WEIGHTS // x.shape[-1])
+            ys = []
+            for r in range(0, n, block):  # an lm_head's rows a block at a time, same reason
+                rows = slice(r, min(r + block, n))
+                ys.append(x @ self.dequantized(draft, rows).astype(x.dtype).T)
+                if n > block:
+                    mx.eval(ys[-1])
+            return ys[0] if len(ys) == 1 else mx.concatenate(ys, axis=-1)
         y = self._qmm(x, self.hi)
         # Two calls sharing scales/biases: never materialise s/16 in fp16 (subnormal risk).
         return y if draft else nested(y, self._qmm(x, self.lo))
 
-    def dequantized(self, draft: bool) -> mx.array:
-        """W4 (draft) or W8 (target) as a dense [N, K] matrix in the scales' dtype."""
+    def dequantized(self, draft: bool, rows: slice = slice(None)) -> mx.array:
+        """W4 (draft) or W8 (target) as a dense [N, K] matrix (those `rows`) in the scales'
+        dtype."""
         kw = dict(group_size=self.group_size, bits=4)
-        w = mx.dequantize(self.hi, self.scales, self.biases, **kw)
-        return w if draft else nested(w, mx.dequantize(self.lo, self.scales, self.biases, **kw))
+        scales, biases = self.scales[rows], self.biases[rows]
+        w = mx.dequantize(self.hi[rows], scales, biases, **kw)
+        return w if draft else nested(w, mx.dequantize(self.lo[rows], scales, biases, **kw))
 
     def _biased(self, y: mx.array) -> mx.array:
         return y + self.bias if "bias" in self else y
