@@ -28,7 +28,7 @@ import numpy as np
 from ..evaluation import SAMPLING
 from ..formats.bitnest.draft_vocab import add_draft_vocab
 from ..formats.bitnest.files import read_json
-from ..layers.draft_vocab import DraftVocabHead, restrict_logits
+from ..layers.draft_vocab import DraftVocabHead
 from ..layers.options import RunOptions
 from ..roofline import best_iid_speedup, roofline
 
@@ -111,9 +111,10 @@ def acceptance_by_size(
         p = mx.softmax(logits[0].astype(mx.float32), axis=-1)
         mx.eval(p)
         own = own + p.sum(axis=0)
-        for k in sizes:
-            q = mx.softmax(restrict_logits(logits[1], mx.array(ranked[:k])), axis=-1)
-            total[k] += mx.minimum(q.astype(mx.float32), p).sum().item()
+        for k in sizes:  # q_K is zero outside its ids: Σ min(p, q_K) over those columns only
+            ids = mx.array(ranked[:k])
+            q = mx.softmax(mx.take(logits[1], ids, axis=-1).astype(mx.float32), axis=-1)
+            total[k] += mx.minimum(q, mx.take(p, ids, axis=-1)).sum().item()
         n += len(p)
     return {k: total[k] / max(n, 1) for k in sizes}, np.array(own) / max(n, 1)
 

@@ -70,24 +70,27 @@ class _Worker:
 
 
 class LinearPool:
-    """`quantize_layer` runs a layer's groups of Linears on `workers` processes (default: one
-    per core, at most one per group). Each worker's BLAS gets its share of the cores, so the
-    sweeps' block products do not oversubscribe them. Use as a context manager."""
+    """`quantize_layer` runs a layer's groups of Linears on `workers` processes, this one and
+    `workers` - 1 subprocesses (default: one per core, at most one per group). Each worker's BLAS
+    gets its share of the cores, so the sweeps' block products do not oversubscribe them. Use as
+    a context manager."""
 
     GROUPS_PER_LAYER = 4  # q/k/v, o, gate/up, down
 
     def __init__(self, method: Method, group_size: int, workers: int | None = None):
         self.method, self.group_size = method, group_size
         cores = os.cpu_count() or 1
+        # Processes quantizing at once, this one included.
         self.workers = min(workers or cores, self.GROUPS_PER_LAYER)
         self._started: list[_Worker] = []
 
     def _pool(self) -> list[_Worker]:
-        """The workers, started at the first layer that pays for them."""
+        """The worker processes (one fewer than `workers`: this process works too), started at
+        the first layer that pays for them."""
         if not self._started:
             threads = str(max(1, (os.cpu_count() or 1) // self.workers))
             env = dict.fromkeys(_BLAS_THREADS, threads)
-            self._started = [_Worker(env) for _ in range(self.workers)]
+            self._started = [_Worker(env) for _ in range(self.workers - 1)]
         return self._started
 
     def __enter__(self) -> LinearPool:
@@ -127,8 +130,9 @@ class LinearPool:
         return {n: value for (names, _), res in zip(tasks, results) for n, value in zip(names, res)}
 
     def _run(self, function, arguments: list[tuple]) -> list:
-        """function(*args) for each of `arguments` on the workers, each task to the first idle
-        one, in order; results in the same order."""
+        """function(*args) for each of `arguments`, in order, on the workers and in this
+        process: a task goes to the first idle worker, and while every worker is busy this
+        process takes the next one itself. Results in the same order."""
         results: list = [None] * len(arguments)
         queue = list(enumerate(arguments))
         busy: dict[_Worker, int] = {}
@@ -142,7 +146,10 @@ class LinearPool:
                             index, args = queue.pop(0)
                             worker.send((function, args))
                             busy[worker] = index
-                    for key, _ in sel.select():
+                    if queue:  # every worker is busy
+                        index, args = queue.pop(0)
+                        results[index] = function(*args)
+                    for key, _ in sel.select(timeout=0 if queue else None):
                         worker = key.data
                         if worker in busy:
                             results[busy.pop(worker)] = worker.receive()
