@@ -1,9 +1,10 @@
 """A layer's Linears quantized on every core.
 
 The sweeps are Python loops over numpy, one core each, and Linears that share no Hessian are
-independent: each group that shares one (q/k/v, o, gate/up, down) is a task for a worker
-process, largest input first. A group's Hessian factor is computed once, in its worker. Codes do
-not depend on where a group runs (`tests/test_convert_workers.py`).
+independent: each group that shares one (q/k/v, o, gate/up, down) is a task, largest input
+first, for a worker subprocess or, while every worker is busy, for the converter's own process.
+A group's Hessian factor is computed once, where the group runs. Codes do not depend on where a
+group runs (`tests/test_convert_workers.py`).
 """
 
 from __future__ import annotations
