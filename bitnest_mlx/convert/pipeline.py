@@ -135,13 +135,19 @@ def build(
                 )
             return planes
 
+        def choose_here(name: str, w: np.ndarray, h: np.ndarray | None) -> tuple[Planes, dict]:
+            """One Linear's planes in this process: the callback's, else the method's."""
+            if quantize is not None:
+                return quantize(name, w), {}
+            return method.quantize(w, h, group, {})
+
         def choose_layer(
             prefix: str, w: Mapping[str, np.ndarray], hessians: Mapping[str, np.ndarray]
         ) -> dict[str, tuple[Planes, dict]]:
             weights = {lin: w[f"{lin}.weight"] for lin in LAYER_LINEARS}
             with stages("quantize"):
                 if quantize is not None:
-                    return {lin: (quantize(prefix + lin, x), {}) for lin, x in weights.items()}
+                    return {lin: choose_here(prefix + lin, x, None) for lin, x in weights.items()}
                 return pool.quantize_layer(weights, hessians)
 
         writer = PackageWriter(
@@ -206,11 +212,7 @@ def build(
                 h = calib.final_hessian()
                 del calib
         with stages("quantize"):
-            if quantize is not None:
-                planes, errors = quantize("lm_head", head), {}
-            else:
-                planes, errors = method.quantize(head, h, group, {})
-        planes = record("lm_head", planes, errors)
+            planes = record("lm_head", *choose_here("lm_head", head, h))
         del head, h
         with stages("write"):
             writer.add_linear("lm_head", planes)

@@ -37,8 +37,8 @@ def quantize_group(
 
 
 class _Worker:
-    """`python -m bitnest_mlx.convert.workers`: reads pickled (function, args) tasks on stdin,
-    writes pickled ("ok", result) or ("error", traceback) on stdout. A plain subprocess, not
+    """A `python -c` subprocess running `_serve`: reads pickled (function, args) tasks on
+    stdin, writes pickled ("ok", result) or ("error", traceback) on stdout. A plain subprocess, not
     multiprocessing: nothing of the caller's `__main__` is imported again."""
 
     def __init__(self, env: Mapping[str, str]):
