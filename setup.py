@@ -65,6 +65,7 @@ setup(
         "huggingface-hub",
         "sentencepiece",
         "tokenizers",
+        "threadpoolctl",  # the converter's BLAS threads while its workers sweep
     ],
     entry_points={
         "console_scripts": [

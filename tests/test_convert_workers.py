@@ -68,3 +68,30 @@ def test_an_error_in_a_worker_is_raised_here_with_its_traceback(monkeypatch):
         with pytest.raises(RuntimeError, match="in a quantization worker"):
             pool.quantize_layer(weights, hessians)
         assert pool._started == []  # closed: a worker mid-task cannot be reused
+
+
+def _blas_threads(info: list[dict]) -> set[int]:
+    """The BLAS thread counts in a `threadpool_info()`."""
+    return {lib["num_threads"] for lib in info if lib["user_api"] == "blas"}
+
+
+def test_every_quantizing_process_gets_its_share_of_the_blas_threads(monkeypatch):
+    """With more BLAS threads than cores, the sweeps' block products wait on each other."""
+    from threadpoolctl import threadpool_info
+
+    monkeypatch.setattr(workers.os, "cpu_count", lambda: 2)
+    before = threadpool_info()
+    with workers.LinearPool(Method("joint"), 32, workers=2) as pool:
+        # Task 0 goes to the worker; while it is busy this process takes task 1 itself.
+        in_worker, here = pool.map(threadpool_info, [(), ()])
+    assert _blas_threads(in_worker) == _blas_threads(here) == {1}  # 2 cores / 2 processes
+    assert threadpool_info() == before  # restored after the layer
+
+
+def test_a_function_runs_in_a_fresh_process_and_its_errors_come_back():
+    import os
+
+    assert workers.in_fresh_process(os.getpid) != os.getpid()
+    assert workers.in_fresh_process(divmod, 7, 2) == (3, 1)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        workers.in_fresh_process(divmod, 1, 0)

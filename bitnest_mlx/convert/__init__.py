@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
 from ..formats.bitnest import choose_group_size, linear_shapes
@@ -148,6 +149,7 @@ def convert(
                 per_linear=per_linear,
             )
             source.close()
+            mx.clear_cache()  # the build's cached MLX buffers, before the next stage's
             with stages("draft_vocab"):
                 draft = build_draft_vocab(tmp, tokens, draft_vocab)
     finally:

@@ -31,6 +31,7 @@ from ..formats.bitnest.files import read_json
 from ..layers.draft_vocab import DraftVocabHead
 from ..layers.options import RunOptions
 from ..roofline import best_iid_speedup, roofline
+from .workers import in_fresh_process
 
 SMALLEST_K = 8192
 HELD_OUT_TOKENS = 1024  # calibration positions teacher-forced for α_K and the model's own text
@@ -155,6 +156,15 @@ def rank_package_tokens(model, calibration: np.ndarray) -> tuple[np.ndarray, dic
     return rank_tokens([token_frequencies(calibration, vocab), own]), alphas
 
 
+def _rank_and_choose(package: str, calibration: np.ndarray) -> tuple[np.ndarray, tuple]:
+    """`rank_package_tokens` and `choose_draft_vocab` of the package at `package`."""
+    from ..loader import load
+
+    model, _ = load(package)
+    ranked, alphas = rank_package_tokens(model, calibration)
+    return ranked, choose_draft_vocab(model, alphas, context=calibration.shape[1])
+
+
 def build_draft_vocab(
     package: str | Path, calibration: np.ndarray, size: int | str = "auto"
 ) -> dict:
@@ -162,8 +172,6 @@ def build_draft_vocab(
     vocabulary (`add_draft_vocab`), K = `size` or, for "auto", `choose_draft_vocab`'s; "full"
     or a K of at least the vocabulary stores none. `calibration` is [n_seq, seq_len]. Returns
     the record kept in the manifest's `draft.ranking` (the same without a draft block)."""
-    from ..loader import load
-
     tic = time.perf_counter()
     # The writer's config.json: nothing to load when every row stays.
     vocab = read_json(Path(package) / "config.json")["vocab_size"]
@@ -171,9 +179,8 @@ def build_draft_vocab(
     if full or (size == "auto" and candidate_sizes(vocab) == [vocab]):
         return {"vocab_size": vocab, "kept": "full"}
     calibration = np.atleast_2d(calibration)
-    model, _ = load(package)
-    ranked, alphas = rank_package_tokens(model, calibration)
-    k, table = choose_draft_vocab(model, alphas, context=calibration.shape[1])
+    # A fresh process: the package it loads does not sit on what the converter has freed.
+    ranked, (k, table) = in_fresh_process(_rank_and_choose, str(package), calibration)
     k = k if size == "auto" else int(size)
     record = {
         "method": METHOD,
@@ -183,7 +190,6 @@ def build_draft_vocab(
         "candidates": table,
         "seconds": round(time.perf_counter() - tic, 1),
     }
-    del model
     if k >= vocab:
         return {"vocab_size": vocab, "kept": "full", **record}
     add_draft_vocab(package, np.sort(ranked[:k]), record)

@@ -1,4 +1,4 @@
-"""A layer's Linears quantized on every core.
+"""A layer's Linears quantized on every core, and a stage run in a fresh process.
 
 The sweeps are Python loops over numpy, one core each, and Linears that share no Hessian are
 independent: each group that shares one (q/k/v, o, gate/up, down) is a task, largest input
@@ -17,6 +17,7 @@ import sys
 from collections.abc import Mapping
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from ..formats.bitnest import Planes
 from .methods import Method
@@ -70,11 +71,25 @@ class _Worker:
             f.close()
 
 
+def in_fresh_process(function, *args):
+    """function(*args) in a new `_Worker` subprocess: its memory is its own and returned at its
+    end, so what the caller has allocated and freed earlier does not sit under it. `function`
+    and the arguments are pickled (a module-level function, arrays)."""
+    worker = _Worker({})
+    try:
+        worker.send((function, args))
+        return worker.receive()
+    finally:
+        worker.close()
+
+
 class LinearPool:
     """`quantize_layer` runs a layer's groups of Linears on `workers` processes, this one and
-    `workers` - 1 subprocesses (default: one per core, at most one per group). Each worker's BLAS
-    gets its share of the cores, so the sweeps' block products do not oversubscribe them. Use as
-    a context manager."""
+    `workers` - 1 subprocesses (default: one per core, at most one per group). Each worker's BLAS,
+    this process's included while it sweeps beside them, gets its share of the cores: with more
+    BLAS threads than cores the sweeps' block products wait on each other (a 3B-shaped layer
+    took longer on two processes than on one, docs/convert.md "Bounds"). Use as a context
+    manager."""
 
     GROUPS_PER_LAYER = 4  # q/k/v, o, gate/up, down
 
@@ -85,12 +100,16 @@ class LinearPool:
         self.workers = min(workers or cores, self.GROUPS_PER_LAYER)
         self._started: list[_Worker] = []
 
+    @property
+    def _threads(self) -> int:
+        """BLAS threads per quantizing process."""
+        return max(1, (os.cpu_count() or 1) // self.workers)
+
     def _pool(self) -> list[_Worker]:
         """The worker processes (one fewer than `workers`: this process works too), started at
         the first layer that pays for them."""
         if not self._started:
-            threads = str(max(1, (os.cpu_count() or 1) // self.workers))
-            env = dict.fromkeys(_BLAS_THREADS, threads)
+            env = dict.fromkeys(_BLAS_THREADS, str(self._threads))
             self._started = [_Worker(env) for _ in range(self.workers - 1)]
         return self._started
 
@@ -127,17 +146,17 @@ class LinearPool:
         if self.workers == 1 or not self.method.calibrated or total < PARALLEL_MIN_WEIGHTS:
             results = [quantize_group(*args) for _, args in tasks]
         else:
-            results = self._run(quantize_group, [args for _, args in tasks])
+            results = self.map(quantize_group, [args for _, args in tasks])
         return {n: value for (names, _), res in zip(tasks, results) for n, value in zip(names, res)}
 
-    def _run(self, function, arguments: list[tuple]) -> list:
+    def map(self, function, arguments: list[tuple]) -> list:
         """function(*args) for each of `arguments`, in order, on the workers and in this
         process: a task goes to the first idle worker, and while every worker is busy this
         process takes the next one itself. Results in the same order."""
         results: list = [None] * len(arguments)
         queue = list(enumerate(arguments))
         busy: dict[_Worker, int] = {}
-        with selectors.DefaultSelector() as sel:
+        with selectors.DefaultSelector() as sel, threadpool_limits(self._threads, "blas"):
             for worker in self._pool():
                 sel.register(worker.proc.stdout, selectors.EVENT_READ, worker)
             try:
