@@ -83,3 +83,27 @@ def test_writer_shards_by_size(tmp_path):
     a, b = read(single).tensors, read(sharded).tensors
     assert set(a) == set(b)
     assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").is_file(), reason="Linux /proc only")
+def test_stage_memory_counts_a_workers_own_pages_once_and_not_its_shared_ones():
+    import subprocess
+    import sys
+
+    from bitnest_mlx.convert.stages import _statm_rss, current_rss
+
+    mb = 2**20
+    child = subprocess.Popen(
+        [sys.executable, "-c", "x = b'x' * (200 * 2**20); print('ready', flush=True); input()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline() == "ready\n"  # its 200 MB are resident now
+        alone = _statm_rss("self")
+        counted = current_rss() - alone
+        assert 200 * mb <= counted < _statm_rss(str(child.pid))  # its libraries: not again
+    finally:
+        child.kill()
+        child.wait()

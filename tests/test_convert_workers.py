@@ -86,12 +86,3 @@ def test_every_quantizing_process_gets_its_share_of_the_blas_threads(monkeypatch
         in_worker, here = pool.map(threadpool_info, [(), ()])
     assert _blas_threads(in_worker) == _blas_threads(here) == {1}  # 2 cores / 2 processes
     assert threadpool_info() == before  # restored after the layer
-
-
-def test_a_function_runs_in_a_fresh_process_and_its_errors_come_back():
-    import os
-
-    assert workers.in_fresh_process(os.getpid) != os.getpid()
-    assert workers.in_fresh_process(divmod, 7, 2) == (3, 1)
-    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
-        workers.in_fresh_process(divmod, 1, 0)

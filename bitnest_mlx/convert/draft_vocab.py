@@ -31,7 +31,6 @@ from ..formats.bitnest.files import read_json
 from ..layers.draft_vocab import DraftVocabHead
 from ..layers.options import RunOptions
 from ..roofline import best_iid_speedup, roofline
-from .workers import in_fresh_process
 
 SMALLEST_K = 8192
 HELD_OUT_TOKENS = 1024  # calibration positions teacher-forced for α_K and the model's own text
@@ -90,6 +89,13 @@ def _batches(texts: list[tuple[list[int], int]]) -> list[list[tuple[list[int], i
     return out
 
 
+def _scaled_logits(model, x: mx.array, start: int, options: RunOptions) -> mx.array:
+    """float32 logits / T [rows × positions from `start` on, V] of token batch `x`, each
+    position's for the token after it."""
+    logits = model(x, options=options)[:, start - 1 : -1].astype(mx.float32)
+    return logits.reshape(-1, logits.shape[-1]) / SAMPLING.temp
+
+
 def acceptance_by_size(
     model, texts: list[tuple[list[int], int]], ranked: np.ndarray
 ) -> tuple[dict[int, float], np.ndarray]:
@@ -105,16 +111,13 @@ def acceptance_by_size(
     every_row = replace(TEACHER_FORCED, mode="draft", draft_vocab=False)
     for batch in _batches(texts):
         x, start = mx.array([ids for ids, _ in batch]), batch[0][1]
-        logits = [
-            model(x, options=o)[:, start - 1 : -1].reshape(-1, vocab) / SAMPLING.temp
-            for o in (TEACHER_FORCED, every_row)
-        ]
-        p = mx.softmax(logits[0].astype(mx.float32), axis=-1)
-        mx.eval(p)
+        p = mx.softmax(_scaled_logits(model, x, start, TEACHER_FORCED), axis=-1)
         own = own + p.sum(axis=0)
+        mx.eval(p, own)  # the target's logits are freed before the draft's are made
+        draft = _scaled_logits(model, x, start, every_row)
         for k in sizes:  # q_K is zero outside its ids: Σ min(p, q_K) over those columns only
             ids = mx.array(ranked[:k])
-            q = mx.softmax(mx.take(logits[1], ids, axis=-1).astype(mx.float32), axis=-1)
+            q = mx.softmax(mx.take(draft, ids, axis=-1), axis=-1)
             total[k] += mx.minimum(q, mx.take(p, ids, axis=-1)).sum().item()
         n += len(p)
     return {k: total[k] / max(n, 1) for k in sizes}, np.array(own) / max(n, 1)
@@ -156,15 +159,6 @@ def rank_package_tokens(model, calibration: np.ndarray) -> tuple[np.ndarray, dic
     return rank_tokens([token_frequencies(calibration, vocab), own]), alphas
 
 
-def _rank_and_choose(package: str, calibration: np.ndarray) -> tuple[np.ndarray, tuple]:
-    """`rank_package_tokens` and `choose_draft_vocab` of the package at `package`."""
-    from ..loader import load
-
-    model, _ = load(package)
-    ranked, alphas = rank_package_tokens(model, calibration)
-    return ranked, choose_draft_vocab(model, alphas, context=calibration.shape[1])
-
-
 def build_draft_vocab(
     package: str | Path, calibration: np.ndarray, size: int | str = "auto"
 ) -> dict:
@@ -172,6 +166,8 @@ def build_draft_vocab(
     vocabulary (`add_draft_vocab`), K = `size` or, for "auto", `choose_draft_vocab`'s; "full"
     or a K of at least the vocabulary stores none. `calibration` is [n_seq, seq_len]. Returns
     the record kept in the manifest's `draft.ranking` (the same without a draft block)."""
+    from ..loader import load
+
     tic = time.perf_counter()
     # The writer's config.json: nothing to load when every row stays.
     vocab = read_json(Path(package) / "config.json")["vocab_size"]
@@ -179,8 +175,10 @@ def build_draft_vocab(
     if full or (size == "auto" and candidate_sizes(vocab) == [vocab]):
         return {"vocab_size": vocab, "kept": "full"}
     calibration = np.atleast_2d(calibration)
-    # A fresh process: the package it loads does not sit on what the converter has freed.
-    ranked, (k, table) = in_fresh_process(_rank_and_choose, str(package), calibration)
+    model, _ = load(package)
+    ranked, alphas = rank_package_tokens(model, calibration)
+    k, table = choose_draft_vocab(model, alphas, context=calibration.shape[1])
+    del model
     k = k if size == "auto" else int(size)
     record = {
         "method": METHOD,

@@ -2,8 +2,10 @@
 draft_vocab).
 
 The process's peak RSS (`getrusage`) only says the maximum so far, so a sampling thread reads the
-current RSS of the process and its children (the quantization workers) every `interval` seconds
-and charges it to the stage running then; the peak is reported beside. Stages may be entered
+current memory every `interval` seconds and charges it to the stage running then; the peak is
+reported beside. The memory is the process's RSS plus its children's (the quantization workers')
+private pages: the pages a worker shares, the libraries mainly, are the converter's too, and a
+sum of RSS would count them twice. Stages may be entered
 many times (once per layer); their times add up.
 """
 
@@ -27,6 +29,16 @@ def _statm_rss(pid: str) -> int:
         return 0
 
 
+def _private(pid: str) -> int:
+    """A process's resident pages that no other process maps."""
+    try:
+        lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+    except OSError:  # the process has just exited
+        return 0
+    fields = (line.split() for line in lines)
+    return sum(int(f[1]) * 1024 for f in fields if f[0] in ("Private_Clean:", "Private_Dirty:"))
+
+
 def _children() -> list[str]:
     """This process's child pids (Linux), e.g. the quantization workers."""
     out = []
@@ -39,10 +51,10 @@ def _children() -> list[str]:
 
 
 def current_rss() -> int:
-    """Resident bytes of this process and its children now (Linux /proc; elsewhere this
-    process's peak so far)."""
+    """Resident bytes of this process and the private ones of its children now (Linux /proc;
+    elsewhere this process's peak so far)."""
     if Path("/proc/self/statm").is_file():
-        return _statm_rss("self") + sum(_statm_rss(pid) for pid in _children())
+        return _statm_rss("self") + sum(_private(pid) for pid in _children())
     return peak_rss()
 
 

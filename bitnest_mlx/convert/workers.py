@@ -1,4 +1,4 @@
-"""A layer's Linears quantized on every core, and a stage run in a fresh process.
+"""A layer's Linears quantized on every core.
 
 The sweeps are Python loops over numpy, one core each, and Linears that share no Hessian are
 independent: each group that shares one (q/k/v, o, gate/up, down) is a task, largest input
@@ -69,18 +69,6 @@ class _Worker:
         self.proc.wait()
         for f in (self.proc.stdin, self.proc.stdout):
             f.close()
-
-
-def in_fresh_process(function, *args):
-    """function(*args) in a new `_Worker` subprocess: its memory is its own and returned at its
-    end, so what the caller has allocated and freed earlier does not sit under it. `function`
-    and the arguments are pickled (a module-level function, arrays)."""
-    worker = _Worker({})
-    try:
-        worker.send((function, args))
-        return worker.receive()
-    finally:
-        worker.close()
 
 
 class LinearPool:
