@@ -82,11 +82,16 @@ def split_k(n: int) -> int:
 
 
 def r4_transform(x: np.ndarray, had_k: np.ndarray | None) -> np.ndarray:
-    """y = (hadK ⊗ H_{n/K}) x / sqrt(n) along the last axis (float64)."""
+    """y = (hadK ⊗ H_{n/K}) x / sqrt(n) along the last axis (float64).
+
+    With x's last axis as a [K, m] block X (m = n/K), y's is hadK · X · H_mᵀ; each factor is
+    applied as one 2-D product over all rows (a stack of [K, m] blocks times a matrix would be
+    one small product per row: 40 s instead of ~5 s for a 3B down_proj)."""
     n = x.shape[-1]
     k = 1 if had_k is None else had_k.shape[0]
-    xr = x.astype(np.float64).reshape(*x.shape[:-1], k, n // k)
-    y = xr @ sylvester(n // k).T
-    if had_k is not None:
-        y = np.einsum("ij,...jm->...im", had_k, y)
+    m = n // k
+    y = x.astype(np.float64).reshape(-1, m) @ sylvester(m).T  # rows of X H_mᵀ
+    if had_k is not None:  # hadK · Y, as (Yᵀ hadKᵀ)ᵀ on [rows·m, K]
+        y = y.reshape(-1, k, m).transpose(0, 2, 1).reshape(-1, k) @ had_k.T
+        y = y.reshape(-1, m, k).transpose(0, 2, 1)
     return (y / np.sqrt(n)).reshape(x.shape)
