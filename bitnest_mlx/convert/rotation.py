@@ -49,8 +49,8 @@ class Rotation:
 
     def rows(self, w: np.ndarray, block: int = 8192, inplace: bool = False) -> np.ndarray:
         """W R1ᵀ for a matrix whose columns live in the residual stream (embedding, lm_head),
-        a block of rows at a time: the float64 product of a whole vocabulary would be GBs.
-        `inplace` overwrites w (float32) instead of allocating a second [V, D] copy."""
+        a block of rows at a time; `inplace` overwrites w (float32) instead of allocating a
+        second [V, D] copy."""
         out = w if inplace and w.dtype == np.float32 else np.empty(w.shape, dtype=np.float32)
         for r in range(0, len(w), block):
             out[r : r + block] = _mm(w[r : r + block], self.r1.T)
@@ -82,8 +82,9 @@ class Rotation:
 
 
 def _mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    # float64 products keep the fused model equal to the original to ~1e-7; stored float32.
-    return (np.asarray(a, np.float64) @ np.asarray(b, np.float64)).astype(np.float32)
+    # float32 like the weights it rotates, which are quantized to 8 bits next: float64 products
+    # took 2.5x as long (8 s of a 3B layer's read, 31 s for its embedding).
+    return np.asarray(a, np.float32) @ np.asarray(b, np.float32)
 
 
 def rotate(
