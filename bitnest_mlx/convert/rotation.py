@@ -82,8 +82,8 @@ class Rotation:
 
 
 def _mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    # float32 like the weights it rotates, which are quantized to 8 bits next: float64 products
-    # took 2.5x as long (8 s of a 3B layer's read, 31 s for its embedding).
+    # float32 like the weights it rotates, which are quantized to 8 bits next; float64 products
+    # cost 2.5x the time at the mission's sizes (docs/convert.md, "Bounds").
     return np.asarray(a, np.float32) @ np.asarray(b, np.float32)
 
 

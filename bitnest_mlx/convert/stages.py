@@ -5,8 +5,8 @@ The process's peak RSS (`getrusage`) only says the maximum so far, so a sampling
 current memory every `interval` seconds and charges it to the stage running then; the peak is
 reported beside. The memory is the process's RSS plus its children's (the quantization workers')
 private pages: the pages a worker shares, the libraries mainly, are the converter's too, and a
-sum of RSS would count them twice. Stages may be entered
-many times (once per layer); their times add up.
+sum of RSS would count them twice. Stages may be entered many times (once per layer); their
+times add up.
 """
 
 from __future__ import annotations

@@ -75,8 +75,7 @@ class LinearPool:
     """`quantize_layer` runs a layer's groups of Linears on `workers` processes, this one and
     `workers` - 1 subprocesses (default: one per core, at most one per group). Each worker's BLAS,
     this process's included while it sweeps beside them, gets its share of the cores: with more
-    BLAS threads than cores the sweeps' block products wait on each other (a 3B-shaped layer
-    took longer on two processes than on one, docs/convert.md "Bounds"). Use as a context
+    BLAS threads than cores the sweeps' block products wait on each other. Use as a context
     manager."""
 
     GROUPS_PER_LAYER = 4  # q/k/v, o, gate/up, down

@@ -85,8 +85,8 @@ def r4_transform(x: np.ndarray, had_k: np.ndarray | None) -> np.ndarray:
     """y = (hadK ⊗ H_{n/K}) x / sqrt(n) along the last axis (float64).
 
     With x's last axis as a [K, m] block X (m = n/K), y's is hadK · X · H_mᵀ; each factor is
-    applied as one 2-D product over all rows (a stack of [K, m] blocks times a matrix would be
-    one small product per row: 40 s instead of ~5 s for a 3B down_proj)."""
+    applied as one 2-D product over all rows: a stack of [K, m] blocks times a matrix is one
+    small product per row, which BLAS cannot block (docs/convert.md, "Bounds")."""
     n = x.shape[-1]
     k = 1 if had_k is None else had_k.shape[0]
     m = n // k
