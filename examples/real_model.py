@@ -191,9 +191,9 @@ SWEEP_SIZES = (8192, 16384, 32768, 0)  # the draft vocabulary sizes measured (0:
 class VocabSweep:
     """A package's draft restricted to its K most frequent tokens (the converter's ranking:
     calibration text + the target's next-token distribution on held-out calibration
-    sequences), attached to the
-    loaded model as the converter would store it; K = 0 keeps every token. The package is
-    loaded, and its tokens ranked, at most once: when a K not already in the report needs it."""
+    sequences), attached to the loaded model as the converter would store it; K = 0 keeps every
+    token. The package is loaded, and its tokens ranked, at most once: when a K not already in
+    the report needs it."""
 
     def __init__(self, directory: Path):
         self.directory = directory

@@ -164,10 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K|auto|full",
         help="the draft's lm_head keeps the K most frequent tokens (calibration text + the "
         "target's next-token distribution on held-out calibration sequences; manifest draft, "
-        "tensor draft.vocab): it reads "
-        "K rows instead of the vocabulary's, while the target still verifies every token. auto "
-        "(default): the K of 8192, 16384, ... or full with the highest projected speedup by the "
-        "bytes model (a vocabulary of 8192 or fewer stays full); full: no reduction",
+        "tensor draft.vocab): it reads K rows instead of the vocabulary's, while the target "
+        "still verifies every token. auto (default): the K of 8192, 16384, ... or full with the "
+        "highest projected speedup by the bytes model (a vocabulary of 8192 or fewer stays "
+        "full); full: no reduction",
     )
     return p
 
