@@ -11,9 +11,10 @@ import mlx.core as mx
 
 from .layers.draft_vocab import draft_tokens, restrict_logits
 from .layers.options import DRAFT_KV, RunOptions
-from .roofline import model_kv8_limit, resolve_draft_kv, roofline, speed_model
+from .roofline import model_kv8_limit, resolve_draft_kv, roofline
 from .sampling import Sampler, acceptance_probability
 from .speculative import SpeculativeStats, speculative_generate_step
+from .speed_model import speed_model
 
 MODES = ("draft", "target", "float")
 # Sampled acceptance and the speculative runs: the settings the issue asks for (a common chat
@@ -169,7 +170,7 @@ def evaluate(
     the mean accepted length of the greedy speculative loop at `gamma` (`spec_tokens` tokens);
     the sampled speculative loop at each of `gammas` (`sampled_acceptance`, over `prompts`,
     default `builtin_prompts`; skipped when `gen_tokens` is 0); and the projected speedup on a
-    bandwidth-bound GPU (`roofline.speed_model`; from the i.i.d. formula alone, at the
+    bandwidth-bound GPU (`speed_model.speed_model`; from the i.i.d. formula alone, at the
     windows' context, when `gen_tokens` is 0)."""
     # A prefix is enough (no token spans 16 characters) and avoids tokenizing a whole book.
     tokens = tokenizer.encode(text[: 16 * max_tokens], verbose=False)[:max_tokens]

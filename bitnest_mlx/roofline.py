@@ -1,5 +1,5 @@
-"""Bytes read per generated token (the bandwidth roofline), the draft-KV policy that follows from
-them, and the bandwidth-bound speed model of self-speculative decoding (docs/speculative.md).
+"""Bytes read per generated token (the bandwidth roofline) and the draft-KV policy that follows
+from them; the speed model of speculation built on them is `speed_model`.
 
 Decoding one token on a GPU is bound by memory bandwidth: its time is about the bytes it reads
 (weights, one embedding row, the KV cache) over the bandwidth. So bytes per token are the cost
@@ -8,20 +8,13 @@ model of every choice here: which KV the draft reads, and what speculation can g
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import mlx.nn as nn
 
+from .chips import PEAK_GBS
 from .layers.dual_plane import DualPlaneLinear
 
-# Peak memory bandwidth (GB/s, Apple specifications) of each chip name's largest configuration:
-# the one table (bench's achieved fraction and its kernel cost estimates read it too).
-PEAK_GBS = {
-    "M1": 68.25, "M1 Pro": 200, "M1 Max": 400, "M1 Ultra": 800,
-    "M2": 100, "M2 Pro": 200, "M2 Max": 400, "M2 Ultra": 800,
-    "M3": 100, "M3 Pro": 150, "M3 Max": 400, "M3 Ultra": 819,
-    "M4": 120, "M4 Pro": 273, "M4 Max": 546,
-}  # fmt: skip
 # The chips the roofline's tok/s ceilings are reported for.
 CHIPS = {
     "M4 Pro": PEAK_GBS["M4 Pro"],
@@ -152,66 +145,3 @@ def model_kv8_limit(model: nn.Module, budget: float = KV8_BUDGET) -> int | None:
     """`kv8_context_limit` of a model: where `auto` switches the draft from KV8 to KV4."""
     kv = kv_bytes(model.args)
     return kv8_context_limit(weight_bytes(model)["draft"], kv[4], kv[8], budget)
-
-
-# --------------------------------------------------------------------------------------------
-# Speed model: speculation on a bandwidth-bound GPU
-
-
-def iid_tokens_per_round(alpha: float, gamma: int) -> float:
-    """Expected tokens per round of γ drafts when each is accepted independently with
-    probability α: 1 + α + ... + α^γ = (1 - α^(γ+1)) / (1 - α)."""
-    if alpha >= 1:
-        return gamma + 1.0
-    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
-
-
-def projected_speedup(tokens_per_round: float, gamma: int, cost_ratio: float) -> float:
-    """Speculative tok/s over target-only tok/s when decoding is bandwidth-bound: a round
-    emits `tokens_per_round` tokens and costs γ draft steps (c = draft / target bytes per token
-    each) plus one verify pass of γ+1 rows, which reads the target's bytes once (≈ 1 step)."""
-    return tokens_per_round / (gamma * cost_ratio + 1)
-
-
-SPEEDUP_GAMMAS = range(1, 9)  # the draft lengths a projection may pick
-
-
-def best_iid_speedup(alpha: float, cost_ratio: float) -> tuple[float, int]:
-    """(projected speedup, γ) at the best γ of SPEEDUP_GAMMAS for i.i.d. acceptance α and a
-    draft of `cost_ratio` target steps."""
-    return max(
-        (projected_speedup(iid_tokens_per_round(alpha, g), g, cost_ratio), g)
-        for g in SPEEDUP_GAMMAS
-    )
-
-
-def speed_model(
-    bytes_per_token: Mapping[str, float],
-    alpha: float,
-    tokens_per_round: Mapping[int, float | None],
-) -> dict:
-    """Projected speedup at each γ of `tokens_per_round`, from the measured tokens per round
-    (None: not measured) and from the i.i.d. formula with per-draft acceptance `alpha`; the
-    best γ of each."""
-    c = bytes_per_token["draft"] / bytes_per_token["target"]
-    rows = {}
-    for gamma, measured in sorted(tokens_per_round.items()):
-        iid = iid_tokens_per_round(alpha, gamma)
-        rows[str(gamma)] = {
-            "measured_tokens_per_round": measured,
-            "measured_speedup": None if measured is None else projected_speedup(measured, gamma, c),
-            "iid_tokens_per_round": iid,
-            "iid_speedup": projected_speedup(iid, gamma, c),
-        }
-    measured_rows = [g for g in rows if rows[g]["measured_speedup"] is not None]
-    best = max(measured_rows, key=lambda g: rows[g]["measured_speedup"], default=None)
-    best_iid = max(rows, key=lambda g: rows[g]["iid_speedup"], default=None)
-    return {
-        "cost_ratio": c,
-        "alpha": alpha,
-        "gammas": rows,
-        "best_gamma": None if best is None else int(best),
-        "best_speedup": None if best is None else rows[best]["measured_speedup"],
-        "best_gamma_iid": None if best_iid is None else int(best_iid),
-        "best_speedup_iid": None if best_iid is None else rows[best_iid]["iid_speedup"],
-    }

@@ -76,7 +76,7 @@ def test_bench_reports_dsv4_bundle_tok_s(capsys):
 
 
 def test_speed_model_of_a_package_reads_its_bytes_without_loading_weights(capsys):
-    from bitnest_mlx.roofline import best_iid_speedup
+    from bitnest_mlx.speed_model import CostModel, best_iid_speedup
 
     path = demo_path()
     out = _bench_json(
@@ -86,7 +86,7 @@ def test_speed_model_of_a_package_reads_its_bytes_without_loading_weights(capsys
     loaded = roofline(model, out["context_tokens"])["bytes_per_token"]
     full, small = out["rows"]["full"], out["rows"]["64"]
     assert full["bytes_per_token"] == loaded and full["draft_vocab"] == model.args.vocab_size
-    speedup, gamma = best_iid_speedup(0.8, loaded["draft"] / loaded["target"])
+    speedup, gamma = best_iid_speedup(0.8, CostModel(loaded["draft"] / loaded["target"]))
     assert (full["speedup"], full["gamma"]) == (speedup, gamma)
     m1 = full["chips"]["M1"]
     assert m1["target_tps"] == pytest.approx(68.25e9 / loaded["target"])

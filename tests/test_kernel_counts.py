@@ -10,8 +10,8 @@ import pytest
 import tools
 from metal_emu.emulator import InlineSpec
 
-from bitnest_mlx import kernels
-from bitnest_mlx.cli import bench, kernel_costs
+from bitnest_mlx import chips, kernels
+from bitnest_mlx.cli import bench
 from bitnest_mlx.kernels.emulator import counting, emulate, profile
 
 needs_compilers = tools.needs(emulate.CXX, counting.CLANG, why="operation counts build with both")
@@ -113,7 +113,7 @@ def test_gate_up_epilogue_adds_one_exp_and_one_division_per_output_and_token(nam
 
 
 def test_chip_budget_is_alus_times_clock_per_streamed_byte():
-    m1 = next(c for c in kernel_costs.CHIPS if c.name == "M1")
+    m1 = chips.gpu("M1")
     # 1024 lanes at 1.278 GHz against 68.25 GB/s: cycles per byte, times bytes per unit.
     assert m1.budget(0.5) == pytest.approx(1024 * 1.278 * 0.5 / 68.25)
 

@@ -14,8 +14,13 @@ import bitnest_mlx
 from bitnest_mlx.cli import eval as eval_cli
 from bitnest_mlx.evaluation import builtin_prompts, evaluate, sampled_acceptance
 from bitnest_mlx.layers.options import RunOptions
-from bitnest_mlx.roofline import iid_tokens_per_round, projected_speedup, speed_model
 from bitnest_mlx.sampling import acceptance_probability
+from bitnest_mlx.speed_model import (
+    iid_tokens_per_round,
+    projected_speedup,
+    speed_model,
+    verify_cost,
+)
 
 TEXT = "the mill by the river turned slowly while the water ran under the old stone bridge. " * 4
 FAST = dict(max_tokens=96, window=48, gamma=2, spec_tokens=0)  # teacher-forced part only
@@ -108,22 +113,22 @@ def test_speed_formulas_against_hand_computed_values():
     assert iid_tokens_per_round(0.8, 2) == pytest.approx(1 + 0.8 + 0.64)  # 2.44
     assert iid_tokens_per_round(0.8, 3) == pytest.approx(1 + 0.8 + 0.64 + 0.512)  # 2.952
     assert iid_tokens_per_round(1.0, 4) == 5
-    # Speedup = tokens per round / (γ·c + 1): c = 0.5, γ = 3 -> 2.952 / 2.5.
+    # Speedup = tokens per round / (γ·c + v(γ+1)): c = 0.5, γ = 3, v = 1 -> 2.952 / 2.5;
+    # v = 1.3 -> 2.952 / 2.8.
     assert projected_speedup(2.952, 3, 0.5) == pytest.approx(1.1808)
-    # Measured tokens per round 2.5, 2.9, 3.0 at γ = 2, 3, 4, c = 1/2:
-    # measured 2.5/2 = 1.25, 2.9/2.5 = 1.16, 3/3 = 1.0 -> best γ 2;
-    # i.i.d. 2.44/2 = 1.22, 2.952/2.5 = 1.1808, 3.3616/3 = 1.120533 -> best γ 2.
-    m = speed_model({"draft": 1.0, "target": 2.0}, 0.8, {2: 2.5, 3: 2.9, 4: 3.0})
-    assert m["cost_ratio"] == 0.5 and m["alpha"] == 0.8
+    assert projected_speedup(2.952, 3, 0.5, verify=1.3) == pytest.approx(2.952 / 2.8)
+    # Measured tokens per round 2.5, 2.9, 3.0 at γ = 2, 3, 4, c = 1/2, with the table's v(M)
+    # on the pure path of an M1 (verify passes of 3, 4, 5 rows).
+    m = speed_model({"draft": 1.0, "target": 2.0}, 0.8, {2: 2.5, 3: 2.9, 4: 3.0}, "M1", "pure")
+    assert m["cost_ratio"] == 0.5 and m["alpha"] == 0.8 and m["chip"] == "M1"
+    v = [verify_cost(g + 1, "M1", "pure") for g in (2, 3, 4)]
+    assert [m["gammas"][g]["verify_cost"] for g in ("2", "3", "4")] == v
     speedups = [m["gammas"][g]["measured_speedup"] for g in ("2", "3", "4")]
-    assert speedups == pytest.approx([1.25, 1.16, 1.0])
+    assert speedups == pytest.approx([2.5 / (1 + v[0]), 2.9 / (1.5 + v[1]), 3 / (2 + v[2])])
     iid = [m["gammas"][g]["iid_speedup"] for g in ("2", "3", "4")]
-    assert iid == pytest.approx([1.22, 1.1808, 3.3616 / 3])
-    assert (m["best_gamma"], m["best_speedup"]) == (2, pytest.approx(1.25))
-    assert (m["best_gamma_iid"], m["best_speedup_iid"]) == (2, pytest.approx(1.22))
-    # A cheap draft with high acceptance favours long rounds: c = 0.1, α = 0.95.
-    cheap = speed_model({"draft": 1.0, "target": 10.0}, 0.95, {1: 1.95, 4: 4.5})
-    assert cheap["best_gamma"] == 4 and cheap["best_speedup"] == pytest.approx(4.5 / 1.4)
+    assert iid == pytest.approx([2.44 / (1 + v[0]), 2.952 / (1.5 + v[1]), 3.3616 / (2 + v[2])])
+    best = max(range(3), key=lambda i: speedups[i])
+    assert (m["best_gamma"], m["best_speedup"]) == (best + 2, pytest.approx(speedups[best]))
 
 
 def test_eval_reports_the_speed_model_from_the_measured_runs(package):

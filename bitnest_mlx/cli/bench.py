@@ -22,11 +22,12 @@ from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
 from .. import dsv4_bench, kernels, speculative
+from ..chips import PEAK_GBS
 from ..demo import DEMO, resolve_model
 from ..hub import resolve
 from ..loader import LOAD_ERRORS, load, supports_draft
 from ..roofline import CHIPS as CHIPS  # re-exported: the bench's face of the roofline
-from ..roofline import PEAK_GBS, resolve_draft_kv, roofline
+from ..roofline import resolve_draft_kv, roofline
 from ..sampling import make_sampler
 from . import kernel_costs, speed_projection
 from .args import (

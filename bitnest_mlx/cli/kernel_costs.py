@@ -9,48 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
 
-from ..roofline import PEAK_GBS
-
-
-@dataclass(frozen=True)
-class Chip:
-    """A GPU configuration: the largest of its name. ALUs are 128 per core on every M-series
-    GPU (FP32 lanes)."""
-
-    name: str
-    bandwidth_gbs: float
-    gpu_cores: int
-    clock_ghz: float
-
-    @property
-    def alus(self) -> int:
-        return 128 * self.gpu_cores
-
-    def budget(self, stream_bytes: float) -> float:
-        """Lane-cycles the GPU has per unit of work while reading its `stream_bytes` at peak
-        bandwidth: past this, ALUs and not memory set the speed."""
-        return self.alus * self.clock_ghz * stream_bytes / self.bandwidth_gbs
-
-
-# Bandwidth: roofline.PEAK_GBS. GPU cores: Apple's specifications. Clocks: M1 and M2 families from
-# philipturner/metal-benchmarks; M3 and M4 from third-party spec tables (hmc-tech.com), which
-# Apple does not publish, so treat them as approximate.
-CHIPS = (
-    Chip("M1", PEAK_GBS["M1"], 8, 1.278),
-    Chip("M1 Pro", PEAK_GBS["M1 Pro"], 16, 1.296),
-    Chip("M1 Max", PEAK_GBS["M1 Max"], 32, 1.296),
-    Chip("M2", PEAK_GBS["M2"], 10, 1.398),
-    Chip("M2 Pro", PEAK_GBS["M2 Pro"], 19, 1.398),
-    Chip("M2 Max", PEAK_GBS["M2 Max"], 38, 1.398),
-    Chip("M3", PEAK_GBS["M3"], 10, 1.398),
-    Chip("M3 Pro", PEAK_GBS["M3 Pro"], 18, 1.398),
-    Chip("M3 Max", PEAK_GBS["M3 Max"], 40, 1.398),
-    Chip("M4", PEAK_GBS["M4"], 10, 1.578),
-    Chip("M4 Pro", PEAK_GBS["M4 Pro"], 20, 1.578),
-    Chip("M4 Max", PEAK_GBS["M4 Max"], 40, 1.578),
-)
+from ..chips import GPUS, Chip
 
 
 def missing_tools() -> list[str]:
@@ -60,7 +20,7 @@ def missing_tools() -> list[str]:
     return [c for c in (emulate.CXX, counting.CLANG) if shutil.which(c) is None]
 
 
-def estimate(result: dict, chips: tuple[Chip, ...] = CHIPS) -> dict:
+def estimate(result: dict, chips: tuple[Chip, ...] = GPUS) -> dict:
     """One profiled case with, per chip, its cycle budget and the estimated fraction of the
     bandwidth roofline (1.0: memory-bound, ALUs keep up)."""
     per_chip = {}

@@ -17,12 +17,14 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from ..chips import PEAK_GBS
 from ..convert.defaults import GROUP_SIZE
 from ..formats.bitnest import choose_group_size, is_package, linear_shapes
 from ..formats.bitnest.reader import read_spec
 from ..formats.bitnest.spec import PackageSpec
 from ..formats.bitnest.writer import PackageWriter
-from ..roofline import PEAK_GBS, best_iid_speedup, roofline
+from ..roofline import roofline
+from ..speed_model import CostModel, best_iid_speedup
 
 CHIPS = ("M1", "M2 Pro", "M3 Max", "M4 Max")
 CONTEXT = 1024  # KV tokens the projection reads per step (a chat turn's worth)
@@ -101,16 +103,18 @@ def project(path: Path, sizes: dict[int | str, float | None], context: int = CON
             "cost_ratio": per_token["draft"] / per_token["target"],
         }
         if alpha is not None:
-            speedup, gamma = best_iid_speedup(alpha, row["cost_ratio"])
+            speedup, gamma = best_iid_speedup(alpha, CostModel(row["cost_ratio"]))
             row |= {"acceptance": alpha, "speedup": speedup, "gamma": gamma}
         row["chips"] = {}
         for chip in CHIPS:
             target = PEAK_GBS[chip] * 1e9 / per_token["target"]
-            row["chips"][chip] = {
-                "bandwidth_gbs": PEAK_GBS[chip],
-                "target_tps": target,
-                "speculative_tps": target * row["speedup"] if alpha is not None else None,
-            }
+            at_chip = {"bandwidth_gbs": PEAK_GBS[chip], "target_tps": target}
+            if alpha is not None:  # v(M) differs by chip: so may the best γ
+                speedup, gamma = best_iid_speedup(alpha, CostModel(row["cost_ratio"], chip))
+                at_chip |= {"speedup": speedup, "gamma": gamma, "speculative_tps": target * speedup}
+            else:
+                at_chip["speculative_tps"] = None
+            row["chips"][chip] = at_chip
         rows[str(size)] = row
     return {
         "model": str(path),

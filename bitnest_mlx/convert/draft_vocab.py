@@ -30,7 +30,8 @@ from ..formats.bitnest.draft_vocab import add_draft_vocab
 from ..formats.bitnest.files import read_json
 from ..layers.draft_vocab import DraftVocabHead
 from ..layers.options import RunOptions
-from ..roofline import best_iid_speedup, roofline
+from ..roofline import roofline
+from ..speed_model import CostModel, best_iid_speedup
 
 SMALLEST_K = 8192
 HELD_OUT_TOKENS = 1024  # calibration positions teacher-forced for α_K and the model's own text
@@ -134,7 +135,7 @@ def choose_draft_vocab(model, alphas: dict[int, float], context: int) -> tuple[i
         roof = roofline(model, context)["bytes_per_token"]
         model.draft_head = None
         c = roof["draft"] / roof["target"]
-        speedup, gamma = best_iid_speedup(alpha, c)
+        speedup, gamma = best_iid_speedup(alpha, CostModel(c))
         rows[str(k)] = {
             "acceptance": round(alpha, 4),
             "cost_ratio": round(c, 4),

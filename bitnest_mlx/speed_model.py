@@ -1,0 +1,231 @@
+"""The speed model of speculation on a bandwidth-bound GPU: what a round costs in target steps.
+
+A target step (one token, target-only) costs 1. A round that drafts γ tokens and verifies them
+costs its draft calls (each c · v(rows), c = draft / target bytes per token) plus one verify
+pass of γ + 1 rows, v(γ + 1). v(M) = time of an M-row target pass / time of a 1-row pass is the
+one table of that cost (`verify_cost`): eval's projection, `bench --speed-model`, the
+converter's draft-vocabulary choice and the adaptive controller's fixed costs all read it.
+
+v(M) per chip family and per path:
+
+* `pure` (MLX's `quantized_matmul`): measured ratios from published MLX timings (`PURE_VERIFY`,
+  sources beside it). Apple publishes no such numbers; `bitnest-doctor` times them on the
+  user's Mac and prints them beside these.
+* `kernel` (our dual-plane kernel, which decodes each weight block once for all M rows): from
+  its executed operation counts at each M (`KERNEL_CYCLES`, the CPU emulator) against the
+  chip's ALU budget while it streams the planes at peak bandwidth (`chips.Chip.budget`). A pass
+  is bound by bytes until the M rows' arithmetic exceeds that budget.
+
+At long context the verify pass also reads the KV cache: `kv_fraction` (KV bytes / weight bytes
+of the pass) weighs in the nested-KV attention kernel's counts at L = M rows (`KV8_CYCLES`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .chips import family as chip_family
+from .chips import gpu
+
+MAX_ROWS = 16  # the table's range; wider passes extrapolate from its last two points
+PATHS = ("kernel", "pure")
+DEFAULT_CHIP = "M4 Max"  # the chip the projections and the seeded controller assume
+DEFAULT_PATH = "kernel"  # what a Mac runs (BITNEST_MLX_KERNELS=0 runs `pure`)
+REPORT_CHIPS = ("M1", "M1 Max", "M2 Ultra", "M3 Max", "M4 Pro", "M4 Max")
+
+# v(M) of MLX's 4-bit `quantized_matmul` (qmv / qmv_wide / qmm) per family, at the measured M;
+# between them linear. Sources: see docs/speculative.md "The verify cost v(M)".
+PURE_VERIFY: dict[str, dict[int, float]] = {
+    "M1/M2": {1: 1.0, 2: 1.3, 4: 2.0, 8: 3.5, 16: 6.0},
+    "M3+": {1: 1.0, 2: 1.1, 4: 1.35, 8: 2.2, 16: 3.6},
+}
+
+# Lane-cycles per weight·row of the dual-plane kernel's target pass (both planes, A8, group 64,
+# K = 3072, 64 rows) at M rows, counted in the CPU emulator (`bench --kernels` machinery,
+# kernels/emulator/profile.py with M set); lane-cycle costs per operation: profile.CYCLES.
+KERNEL_CYCLES = {1: 5.993, 2: 3.596, 3: 2.799, 4: 2.404, 6: 2.007, 8: 1.81, 12: 1.612, 16: 1.514}
+KERNEL_STREAM_BYTES = 1 + 2 / 64  # per weight: a byte of the two nibble planes, fp16 scale / 64
+# Lane-cycles per KV element·row of the nested-KV attention kernel reading KV8 at L rows
+# (two launches; 512 cached tokens, head_dim 128, group 64, GQA 3), same counting.
+KV8_CYCLES = {1: 17.593, 2: 11.12, 3: 17.263, 4: 13.04, 6: 13.039, 8: 9.87, 12: 10.912, 16: 9.838}
+KV8_STREAM_BYTES = 1 + 4 / 64  # per element: both planes, an fp32 scale per 64
+
+
+def _interpolate(points: Mapping[int, float], m: float) -> float:
+    ms = sorted(points)
+    if m <= ms[0]:
+        return points[ms[0]]
+    lo, hi = ms[-2], ms[-1]  # beyond the last point: extend its last segment
+    for a, b in zip(ms, ms[1:]):
+        if m <= b:
+            lo, hi = a, b
+            break
+    return points[lo] + (points[hi] - points[lo]) * (m - lo) / (hi - lo)
+
+
+def _bound(cycles: Mapping[int, float], stream_bytes: float, chip: str, rows: int) -> float:
+    """Time of an M-row pass in units of the pass's bytes at peak bandwidth: 1 while the ALUs
+    keep up, cycles·M / budget past that."""
+    budget = gpu(chip).budget(stream_bytes)
+    return max(1.0, _interpolate(cycles, rows) * rows / budget)
+
+
+def verify_cost(
+    rows: int, chip: str = DEFAULT_CHIP, path: str = DEFAULT_PATH, kv_fraction: float = 0.0
+) -> float:
+    """v(M): time of a `rows`-row target pass over a 1-row one on `chip` ("M4 Max", ...).
+
+    kv_fraction: KV bytes read by the pass / its weight bytes (0: weights only). The attention
+    part follows the nested-KV kernel's counts on both paths (the pure path's attention is
+    MLX's own, for which there are no published multi-row timings)."""
+    if rows < 1:
+        raise ValueError(f"a verify pass has at least 1 row, got {rows}")
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if path == "pure":
+        weights = _interpolate(PURE_VERIFY[chip_family(chip)], rows)
+        weights_1 = 1.0
+    else:
+        weights = _bound(KERNEL_CYCLES, KERNEL_STREAM_BYTES, chip, rows)
+        weights_1 = _bound(KERNEL_CYCLES, KERNEL_STREAM_BYTES, chip, 1)
+    if kv_fraction <= 0:
+        return weights / weights_1
+    kv = _bound(KV8_CYCLES, KV8_STREAM_BYTES, chip, rows)
+    kv_1 = _bound(KV8_CYCLES, KV8_STREAM_BYTES, chip, 1)
+    return (weights + kv_fraction * kv) / (weights_1 + kv_fraction * kv_1)
+
+
+def verify_table(
+    chips: Sequence[str] = REPORT_CHIPS, rows: Sequence[int] = (1, 2, 4, 8, 16)
+) -> dict:
+    """{path: {chip: {M: v(M)}}} for the reports (eval, bench, doctor, the docs)."""
+    return {
+        path: {chip: {m: verify_cost(m, chip, path) for m in rows} for chip in chips}
+        for path in PATHS
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Rounds and their cost
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round of the speculative loop as the speed model sees it.
+
+    source: what drafted ("model", "ngram", "ngram+model"; "target" for a γ = 0 step);
+    draft_calls: the rows of each draft-model call (a chain of γ: γ ones; an n-gram prefix of
+    L extended by the model: L + 1, then ones; an n-gram draft alone: none)."""
+
+    source: str
+    drafted: int
+    accepted: int
+    draft_calls: tuple[int, ...] = ()
+
+    @property
+    def tokens(self) -> int:
+        return self.accepted + 1
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Round costs in target steps: draft calls at c · v(rows), verify at v(drafted + 1)."""
+
+    cost_ratio: float
+    chip: str = DEFAULT_CHIP
+    path: str = DEFAULT_PATH
+    kv_fraction: float = 0.0
+
+    def verify(self, rows: int) -> float:
+        return verify_cost(rows, self.chip, self.path, self.kv_fraction)
+
+    def draft(self, calls: Sequence[int]) -> float:
+        return self.cost_ratio * sum(self.verify(r) for r in calls)
+
+    def round(self, r: Round) -> float:
+        return self.draft(r.draft_calls) + self.verify(r.drafted + 1)
+
+
+def rounds_speedup(rounds: Sequence[Round], cost: CostModel) -> float | None:
+    """Tokens emitted over the target steps they cost: the speed over target-only decoding
+    (1 token a step) of the rounds as they ran, at `cost`'s chip. None without rounds."""
+    spent = sum(cost.round(r) for r in rounds)
+    return sum(r.tokens for r in rounds) / spent if rounds else None
+
+
+# --------------------------------------------------------------------------------------------
+# Chains of γ drafts with i.i.d. acceptance
+
+
+def iid_tokens_per_round(alpha: float, gamma: int) -> float:
+    """Expected tokens per round of γ drafts when each is accepted independently with
+    probability α: 1 + α + ... + α^γ = (1 - α^(γ+1)) / (1 - α)."""
+    if alpha >= 1:
+        return gamma + 1.0
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def projected_speedup(
+    tokens_per_round: float, gamma: int, cost_ratio: float, verify: float = 1.0
+) -> float:
+    """Speculative tok/s over target-only tok/s when decoding is bandwidth-bound: a round
+    emits `tokens_per_round` tokens and costs γ draft steps (c each) plus one verify pass of
+    γ+1 rows costing `verify` = v(γ+1) target steps."""
+    return tokens_per_round / (gamma * cost_ratio + verify)
+
+
+SPEEDUP_GAMMAS = range(1, 9)  # the draft lengths a projection may pick
+
+
+def best_iid_speedup(alpha: float, cost: CostModel) -> tuple[float, int]:
+    """(projected speedup, γ) at the best γ of SPEEDUP_GAMMAS for i.i.d. acceptance α."""
+    return max(
+        (
+            projected_speedup(
+                iid_tokens_per_round(alpha, g), g, cost.cost_ratio, cost.verify(g + 1)
+            ),
+            g,
+        )
+        for g in SPEEDUP_GAMMAS
+    )
+
+
+def speed_model(
+    bytes_per_token: Mapping[str, float],
+    alpha: float,
+    tokens_per_round: Mapping[int, float | None],
+    chip: str = DEFAULT_CHIP,
+    path: str = DEFAULT_PATH,
+) -> dict:
+    """Projected speedup on `chip` at each γ of `tokens_per_round`, from the measured tokens
+    per round (None: not measured) and from the i.i.d. formula with per-draft acceptance
+    `alpha`; the best γ of each, and the v(M) used."""
+    cost = CostModel(bytes_per_token["draft"] / bytes_per_token["target"], chip, path)
+    rows = {}
+    for gamma, measured in sorted(tokens_per_round.items()):
+        iid = iid_tokens_per_round(alpha, gamma)
+        v = cost.verify(gamma + 1)
+        rows[str(gamma)] = {
+            "verify_cost": v,
+            "measured_tokens_per_round": measured,
+            "measured_speedup": None
+            if measured is None
+            else projected_speedup(measured, gamma, cost.cost_ratio, v),
+            "iid_tokens_per_round": iid,
+            "iid_speedup": projected_speedup(iid, gamma, cost.cost_ratio, v),
+        }
+    measured_rows = [g for g in rows if rows[g]["measured_speedup"] is not None]
+    best = max(measured_rows, key=lambda g: rows[g]["measured_speedup"], default=None)
+    best_iid = max(rows, key=lambda g: rows[g]["iid_speedup"], default=None)
+    return {
+        "chip": chip,
+        "path": path,
+        "cost_ratio": cost.cost_ratio,
+        "alpha": alpha,
+        "gammas": rows,
+        "best_gamma": None if best is None else int(best),
+        "best_speedup": None if best is None else rows[best]["measured_speedup"],
+        "best_gamma_iid": None if best_iid is None else int(best_iid),
+        "best_speedup_iid": None if best_iid is None else rows[best_iid]["iid_speedup"],
+    }
