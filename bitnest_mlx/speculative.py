@@ -20,17 +20,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .draft_control import DRAFT_SOURCES, DraftController, Plan
 from .layers.options import RunOptions
-from .roofline import draft_kv_policy
+from .prompt_lookup import PromptLookup
+from .roofline import draft_kv_policy, weight_bytes
 from .sampling import RULES, PositionNoise, Sampler, make_sampler, speculative_sample
 from .sampling import gumbel_speculative_sample as coupled_sample
+from .speed_model import CostModel, Round, rounds_speedup
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
@@ -48,6 +51,9 @@ class SpeculativeStats:
     generation_tokens: int = 0
     generation_tps: float = 0.0
     fallback: bool = False  # the controller chose target-only because it was measured faster
+    # Per draft source ("model", "ngram", "ngram+model"): rounds, drafted, accepted.
+    sources: dict[str, dict[str, int]] = field(default_factory=dict)
+    round_log: list[Round] = field(default_factory=list, repr=False)  # every round, in order
 
     @property
     def acceptance_rate(self) -> float:
@@ -64,88 +70,29 @@ class SpeculativeStats:
         """Drafts accepted per speculative round (the emitted target token not counted)."""
         return self.accepted / self.rounds if self.rounds else 0.0
 
+    def record(self, r: Round) -> None:
+        """Count a round: γ = 0 is a target-only step, else a speculative round of its source."""
+        self.round_log.append(r)
+        if not r.drafted:
+            self.target_steps += 1
+            return
+        self.rounds += 1
+        self.drafted += r.drafted
+        self.accepted += r.accepted
+        counts = self.sources.setdefault(r.source, {"rounds": 0, "drafted": 0, "accepted": 0})
+        counts["rounds"] += 1
+        counts["drafted"] += r.drafted
+        counts["accepted"] += r.accepted
+
+    def projected_speedup(self, cost: CostModel) -> float | None:
+        """The speed over target-only of the rounds as they ran, at `cost`'s chip and v(M)."""
+        return rounds_speedup(self.round_log, cost)
+
     def as_dict(self) -> dict:
         extra = ("acceptance_rate", "mean_accepted", "mean_drafted")
-        return {**asdict(self), **{k: getattr(self, k) for k in extra}}
-
-
-class DraftLengthController:
-    """Picks γ per round by maximizing expected tokens per second (0 = target-only step).
-
-    Acceptance α is a decayed estimate of P(accept); a round of length γ emits
-    E(γ) = (1 - α^(γ+1)) / (1 - α) tokens (Leviathan et al.) and costs γ·t_draft + t_verify(γ),
-    with t_verify(k) a line fitted through the measured verify times of k+1 rows, since
-    verifying is not free (on a compute-bound CPU it is ~linear in rows). The first rounds
-    measure γ = max, 1 and (with fallback) 0; every `reprobe` target-only rounds one
-    speculative round refreshes the estimates.
-
-    `costs=(draft step, verify fixed, verify per row)` (in target steps) replaces the measured
-    times: t_draft = costs[0], t_verify(k) = costs[1] + costs[2]·(k + 1), so γ depends only on
-    the acceptances. Seeded runs use FIXED_COSTS, a bandwidth-bound decode (Apple GPUs): a
-    draft step reads about half the target's bytes, each extra verified row adds a tenth of a
-    step; speculation pays above α ≈ 0.65.
-    """
-
-    FIXED_COSTS = (0.55, 0.9, 0.1)
-
-    def __init__(self, max_gamma: int, fallback: bool = True, reprobe: int = 32, costs=None):
-        self.max_gamma, self.fallback, self.reprobe = max_gamma, fallback, reprobe
-        self.hits, self.trials = 4.0, 5.0  # prior α = 0.8, weight of 5 drafts
-        self.costs = costs
-        self.t_draft: float | None = None if costs is None else costs[0]
-        self.t_verify: dict[int, float] = {}
-        self.since_spec = 0
-        self.warm = False
-
-    @property
-    def alpha(self) -> float:
-        return min(self.hits / self.trials, 0.999)
-
-    def _verify_cost(self, k: int) -> float:
-        if self.costs is not None:
-            return self.costs[1] + self.costs[2] * (k + 1)
-        if k in self.t_verify:
-            return self.t_verify[k]
-        ks = list(self.t_verify)
-        if len(ks) == 1:  # proportional to rows
-            return self.t_verify[ks[0]] * (k + 1) / (ks[0] + 1)
-        mk = sum(ks) / len(ks)
-        mt = sum(self.t_verify.values()) / len(ks)
-        slope = sum((x - mk) * (self.t_verify[x] - mt) for x in ks)
-        slope = max(slope / sum((x - mk) ** 2 for x in ks), 0.0)
-        return mt + slope * (k - mk)
-
-    def tokens_per_second(self, gamma: int) -> float:
-        a = self.alpha
-        expected = (1 - a ** (gamma + 1)) / (1 - a)
-        return expected / (gamma * (self.t_draft or 0.0) + self._verify_cost(gamma))
-
-    def choose(self) -> int:
-        if self.max_gamma == 0:
-            return 0
-        for probe in (self.max_gamma, 1, 0) if self.costs is None else ():
-            if probe not in self.t_verify and (probe > 0 or self.fallback):
-                return probe
-        low = 0 if self.fallback and self.since_spec < self.reprobe else 1
-        return max(range(low, self.max_gamma + 1), key=self.tokens_per_second)
-
-    def update(self, gamma: int, accepted: int, draft_s: float, verify_s: float) -> None:
-        if gamma:
-            self.hits = 0.95 * self.hits + accepted
-            self.trials = 0.95 * self.trials + accepted + (accepted < gamma)
-        if self.costs is not None:  # the fixed model: measured times are not used
-            self.since_spec = self.since_spec + 1 if gamma == 0 else 0
-            return
-        if not self.warm:  # the first round pays one-off costs (allocation, compilation)
-            self.warm = True
-            return
-        ema = lambda old, new: new if old is None else 0.7 * old + 0.3 * new
-        self.t_verify[gamma] = ema(self.t_verify.get(gamma), verify_s)
-        if gamma == 0:
-            self.since_spec += 1
-            return
-        self.since_spec = 0
-        self.t_draft = ema(self.t_draft, draft_s / gamma)
+        out = {**asdict(self), **{k: getattr(self, k) for k in extra}}
+        del out["round_log"]  # one entry per round: `projected_speedup` reads it
+        return out
 
 
 def _apply_processors(
@@ -154,6 +101,12 @@ def _apply_processors(
     for proc in processors:
         logits = proc(history, logits)
     return logits
+
+
+def point_mass(tokens: Sequence[int], vocab: int) -> mx.array:
+    """Log-probability rows [len(tokens), vocab] of drafts proposed with certainty (copies)."""
+    hot = mx.arange(vocab)[None] == mx.array(list(tokens), dtype=mx.uint32)[:, None]
+    return mx.where(hot, 0.0, -mx.inf)
 
 
 def draft(
@@ -166,23 +119,32 @@ def draft(
     processors: Sequence[LogitsProcessor] = (),
     options: RunOptions | None = None,
     noise: mx.array | None = None,
+    prefix: Sequence[int] = (),
 ) -> tuple[mx.array, mx.array]:
-    """γ draft steps from token y [1]: writes cache positions P..P+γ-1 (W4; KV4 or KV8 reads).
+    """`prefix` (copied tokens), then γ draft steps from token y [1]; returns the drafts
+    [len(prefix) + γ] and their processed log-probabilities q (point masses for the prefix).
 
-    Returns the drafts [γ] and their processed log-probabilities q [γ, V]. With `noise`
-    ([≥ γ, V] standard Gumbel, seeded runs) draft i is argmax(q_i + noise_i).
+    The draft steps write cache positions P..P+len(prefix)+γ-1 (W4; KV4 or KV8 reads): the
+    first call reads y and the prefix at once. A prefix alone (γ = 0) writes nothing. With
+    `noise` ([≥ len(prefix) + γ, V] standard Gumbel, seeded runs) model draft i is
+    argmax(q_i + noise_i); a copied token is its own argmax under any noise.
     """
-    tokens, q_rows, x = [], [], y
+    vocab = model.args.vocab_size
+    prefix = list(prefix)
+    tokens = [mx.array(prefix, dtype=mx.uint32)] if prefix else []
+    q_rows = [point_mass(prefix, vocab)] if prefix else []
+    x = mx.concatenate([y, *tokens])
     for i in range(gamma):
         logits = model(x[None], cache, "draft", options=options)[0, -1:]
         if processors:
             logits = _apply_processors(processors, mx.concatenate([history, *tokens]), logits)
         q_rows.append(sampler.logprobs(logits))
-        x = sampler.sample(q_rows[-1], None if noise is None else noise[i : i + 1])
+        row = len(prefix) + i
+        x = sampler.sample(q_rows[-1], None if noise is None else noise[row : row + 1])
         tokens.append(x)
-    if not gamma:
-        return mx.zeros((0,), dtype=mx.uint32), mx.zeros((0, model.args.vocab_size))
-    return mx.concatenate(tokens), mx.concatenate(q_rows)
+    if not tokens:
+        return mx.zeros((0,), dtype=mx.uint32), mx.zeros((0, vocab))
+    return mx.concatenate(tokens).astype(mx.uint32), mx.concatenate(q_rows)
 
 
 def verify(
@@ -194,8 +156,10 @@ def verify(
     processors: Sequence[LogitsProcessor] = (),
     parity: bool = False,
     options: RunOptions | None = None,
+    written: int | None = None,
 ) -> mx.array:
-    """Rewind the draft's γ writes, then one target pass over [y, drafts] (W8, KV8 reads).
+    """Rewind the draft's writes (`written`, default γ), then one target pass over
+    [y, drafts] (W8, KV8 reads).
 
     The pass overwrites positions P..P+γ with target K/V. Returns the target logits [γ+1, V]
     (logits processors applied row by row with the matching token history). `parity=True`
@@ -203,7 +167,7 @@ def verify(
     backends whose multi-row matmuls round differently from single-row ones (not MLX's CPU).
     """
     for c in cache:
-        c.trim(drafts.size)
+        c.trim(drafts.size if written is None else written)
     tokens = mx.concatenate([y, drafts])
     if parity:
         rows = [model(t.reshape(1, 1), cache, "target", options=options)[0] for t in tokens]
@@ -243,31 +207,49 @@ def speculative_generate_step(
     seed: int | None = None,
     rule: str | None = None,
     draft_kv: int | str = "auto",
+    draft_source: str = "auto",
+    ngram_tokens: int = 8,
+    ngram_min: int = 2,
+    cost_model: CostModel | None = None,
 ) -> Generator[tuple[int, mx.array, bool], None, None]:
     """Yield (token, target log-probabilities [V], from_draft) like mlx-lm's generator.
 
     `model` is a bitnest Model (calls take mode="draft" / "target"). `num_draft_tokens` is the
-    maximum γ (0 = target-only); `fallback=False` never chooses γ = 0, forcing speculation;
-    `adaptive=False` always drafts `num_draft_tokens`; `parity=True` see `verify`. `options`
+    most W4 draft tokens a round holds (0 = target-only, whatever the source); `fallback=False`
+    never chooses a target-only step, forcing speculation; `adaptive=False` always drafts
+    `num_draft_tokens` (or the whole n-gram copy); `parity=True` see `verify`. `options`
     (RunOptions; its mode is set per call) default to the model's own. `draft_kv`: the KV the
     draft reads, 4, 8 or "auto" (decided each round from the cache length, `roofline`).
     `max_tokens < 0` means no limit.
 
+    `draft_source`: "model" (the W4 draft's chain), "ngram" (copies of up to `ngram_tokens`
+    tokens continuing the longest earlier match of at least `ngram_min` tokens of the prompt
+    and the text so far, `prompt_lookup`), "auto" (each round the plan with the most expected
+    tokens per cost among chains, copies and copies extended by the W4 draft,
+    `draft_control`) or "none" (target-only).
+
     `seed=None` uses the global `mx.random` state and measured costs. An int makes the run
-    reproducible: generated position i draws from `PositionNoise(seed)`, and γ follows
-    `DraftLengthController.FIXED_COSTS`, not wall time. `rule`: "gumbel" (the Gumbel-max
-    coupling: the output is the target-only sample for the seed, whatever γ; the default with a
-    seed) or "rejection" (higher acceptance, output depends on γ; the default without).
+    reproducible: generated position i draws from `PositionNoise(seed)`, and the plans follow
+    fixed costs (`cost_model`, default the `speed_model` table at its default chip and the
+    model's draft / target bytes), not wall time. `rule`: "gumbel" (the Gumbel-max coupling:
+    the output is the target-only sample for the seed, whatever is drafted; the default with a
+    seed) or "rejection" (higher acceptance, output depends on the drafts; the default without).
     """
     rule = rule or ("rejection" if seed is None else "gumbel")
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, not {rule!r}")
+    if draft_source not in DRAFT_SOURCES:
+        raise ValueError(f"draft_source must be one of {DRAFT_SOURCES}, not {draft_source!r}")
     sampler = sampler or Sampler()
     processors = list(logits_processors or [])
     stats = stats if stats is not None else SpeculativeStats()
     cache = prompt_cache if prompt_cache is not None else model.make_cache(options)
-    costs = None if seed is None else DraftLengthController.FIXED_COSTS
-    control = DraftLengthController(num_draft_tokens, fallback, costs=costs)
+    if seed is not None and cost_model is None:
+        b = weight_bytes(model)
+        cost_model = CostModel(b["draft"] / b["target"])
+    source = "none" if num_draft_tokens == 0 else draft_source
+    control = DraftController(num_draft_tokens, source, fallback, cost=cost_model)
+    lookup = PromptLookup(prompt.tolist(), min_ngram=ngram_min, max_ngram=max(ngram_min, 4))
     if seed is None and rule == "gumbel":  # the coupling needs keyed noise: draw a seed
         seed = mx.random.randint(0, 2**31 - 1).item()
     noise = None if seed is None or sampler.temp == 0 else PositionNoise(seed)
@@ -285,22 +267,32 @@ def speculative_generate_step(
 
     produced = 0
     while max_tokens < 0 or produced < max_tokens:
-        chosen = gamma = control.choose() if adaptive else num_draft_tokens
+        proposal, match = lookup.propose(ngram_tokens) if control.ngram else ([], 0)
+        if adaptive:
+            plan = control.choose(proposal, match)
+        elif proposal:
+            plan = Plan(tuple(proposal), 0, match)
+        else:
+            plan = Plan(steps=control.max_gamma)
         if max_tokens >= 0:
-            gamma = min(gamma, max_tokens - produced - 1)
+            plan = plan.truncated(max_tokens - produced - 1)
+        gamma = plan.gamma
 
         # Seeded: Gumbel rows g of positions produced..produced+γ (drafts, then the target's).
         g = None if noise is None else noise.gumbel(produced, gamma + 1, vocab)
         tic = time.perf_counter()
         # The last draft step reads P + γ positions; only the draft's KV read depends on it.
         o = replace(base, draft_kv=kv_at(cache[0].offset + gamma))
-        drafts, q = draft(model, cache, y, gamma, sampler, history, processors, o, g)
+        drafts, q = draft(
+            model, cache, y, plan.steps, sampler, history, processors, o, g, plan.ngram
+        )
         if gamma:
             mx.eval(drafts, q)
         draft_s = time.perf_counter() - tic
 
         tic = time.perf_counter()
-        logits = verify(model, cache, y, drafts, history, processors, parity, options)
+        written = gamma if plan.steps else 0  # a copy alone wrote nothing
+        logits = verify(model, cache, y, drafts, history, processors, parity, options, written)
         p = sampler.logprobs(logits)
         if rule == "gumbel" or (g is not None and not gamma):  # emit t_i = argmax(p_i + g_i)
             n, token = coupled_sample(drafts, p, g)
@@ -316,21 +308,17 @@ def speculative_generate_step(
         commit(cache, gamma, n)
         verify_s = time.perf_counter() - tic
 
-        control.update(gamma, n, draft_s, verify_s)
+        control.update(plan, n, draft_s, verify_s)
         stats.verify_s += verify_s
-        if gamma:
-            stats.rounds += 1
-            stats.drafted += gamma
-            stats.accepted += n
-            stats.draft_s += draft_s
-        else:
-            stats.target_steps += 1
-            stats.fallback = stats.fallback or (chosen == 0 and num_draft_tokens > 0)
+        stats.draft_s += draft_s if gamma else 0.0
+        stats.record(plan.as_round(n))
+        stats.fallback = stats.fallback or (adaptive and control.fell_back)
 
         out = drafts[:n].tolist() + [token.item()]
         for i, t in enumerate(out):
             yield t, logprobs[i], i < n
         produced += len(out)
+        lookup.extend(out)
         y = mx.array(out[-1:], dtype=mx.uint32)
         if processors:
             history = mx.concatenate([history, drafts[:n], y])
@@ -433,7 +421,7 @@ def generate(
 
 
 __all__ = [
-    "DraftLengthController",
+    "DraftController",
     "PositionNoise",
     "commit",
     "draft",

@@ -31,14 +31,25 @@ from .chips import gpu
 MAX_ROWS = 16  # the table's range; wider passes extrapolate from its last two points
 PATHS = ("kernel", "pure")
 DEFAULT_CHIP = "M4 Max"  # the chip the projections and the seeded controller assume
-DEFAULT_PATH = "kernel"  # what a Mac runs (BITNEST_MLX_KERNELS=0 runs `pure`)
+# The projections' path: the measured one. The kernel's counts are a bound no Mac has confirmed
+# (they assume peak bandwidth at every M); reports give both.
+DEFAULT_PATH = "pure"
 REPORT_CHIPS = ("M1", "M1 Max", "M2 Ultra", "M3 Max", "M4 Pro", "M4 Max")
 
-# v(M) of MLX's 4-bit `quantized_matmul` (qmv / qmv_wide / qmm) per family, at the measured M;
-# between them linear. Sources: see docs/speculative.md "The verify cost v(M)".
+# v(M) of MLX's 4-bit affine `quantized_matmul` on layers wider than 4096, weights streamed from
+# memory, per family; linear between the points, flat past the last (`qmm`'s 32-row tile).
+# M3+: qmv_wide up to the batch limit, then qmm. Measured: ml-explore/mlx #3839 (M4 Pro, mlx
+# 0.32.0: m=2 1.03-1.25, m=4 1.14-1.57, m=6 1.47-2.07, m=8 1.73-2.69), #3852 (M4 Pro: M=5
+# 1.75-1.85, M=8 2.84-3.03, M>=10 4.5), PR #3863 (M3 Max cold: M=4 1.28, M=6 2.04, M=8 2.50,
+# M=9 3.14, M=10-16 3.94). M1/M2: no MLX sweep is published; these chips keep per-row `qmv`
+# up to the batch limit (PR #3764; lablup/mlxcel #1182 on M1 Ultra), so the points follow
+# that path's measured cost on M3 Ultra (mlx 0.31.1: 1.31 / 2.27 / 4.28 at M = 2 / 4 / 8) and
+# llama.cpp's Metal mat-vec (M2 Ultra Q4_0 1.43 / 2.02 at 2 / 4, PR #10581; M1 Pro 1.78 / 3.33,
+# PR #10491), and the matrix-matrix plateau of both (4.7-5.7) from M = 6 (the limit on a
+# Max/Pro at this width). `bitnest-doctor` measures them on the user's Mac.
 PURE_VERIFY: dict[str, dict[int, float]] = {
-    "M1/M2": {1: 1.0, 2: 1.3, 4: 2.0, 8: 3.5, 16: 6.0},
-    "M3+": {1: 1.0, 2: 1.1, 4: 1.35, 8: 2.2, 16: 3.6},
+    "M1/M2": {1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5, 5: 3.0, 6: 4.7, 16: 4.7},
+    "M3+": {1: 1.0, 2: 1.05, 3: 1.2, 4: 1.4, 5: 1.75, 6: 2.0, 8: 2.6, 9: 3.1, 10: 4.0, 16: 4.0},
 }
 
 # Lane-cycles per weight·row of the dual-plane kernel's target pass (both planes, A8, group 64,

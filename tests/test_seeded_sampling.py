@@ -20,6 +20,7 @@ from test_speculative import P_LOGITS, Q_LOGITS, chi2_pvalue, tokens_of
 
 import bitnest_mlx
 from bitnest_mlx.cli import generate
+from bitnest_mlx.draft_control import DraftController
 from bitnest_mlx.sampling import (
     ACCEPT,
     GUMBEL,
@@ -29,12 +30,12 @@ from bitnest_mlx.sampling import (
     gumbel_speculative_sample,
 )
 from bitnest_mlx.speculative import (
-    DraftLengthController,
     SpeculativeStats,
     make_sampler,
     speculative_generate_step,
     speculative_sample,
 )
+from bitnest_mlx.speed_model import CostModel
 
 TEMP = 0.8
 
@@ -197,14 +198,14 @@ def test_greedy_is_unchanged_by_a_seed(model):
 
 def test_fixed_cost_controller_ignores_measured_times():
     def choices(timer):
-        c = DraftLengthController(4, True, costs=DraftLengthController.FIXED_COSTS)
+        c = DraftController(4, "model", True, cost=CostModel(0.5))
         rng, out = np.random.default_rng(0), []
         for _ in range(60):
-            g = c.choose()
-            acc = 0
+            plan = c.choose()
+            g, acc = plan.gamma, 0
             while acc < g and rng.random() < 0.9:
                 acc += 1
-            c.update(g, acc, timer(), timer())
+            c.update(plan, acc, timer(), timer())
             out.append(g)
         return out
 

@@ -12,8 +12,8 @@ from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
 import bitnest_mlx
 from bitnest_mlx.demo import demo_path
+from bitnest_mlx.draft_control import DraftController
 from bitnest_mlx.speculative import (
-    DraftLengthController,
     Sampler,
     SpeculativeStats,
     commit,
@@ -272,27 +272,27 @@ def test_api_generate_survives_importing_the_cli_module():
 
 def _controller_after(fallback: bool, t_draft: float, t_row: float, t_fixed: float, alpha: float):
     """Feed a controller synthetic rounds: verify(k) = t_fixed + t_row (k + 1)."""
-    c = DraftLengthController(4, fallback)
+    c = DraftController(4, "model", fallback)
     rng = np.random.default_rng(0)
     for _ in range(40):
-        g = c.choose()
-        acc = 0
+        plan = c.choose()
+        g, acc = plan.gamma, 0
         while acc < g and rng.random() < alpha:
             acc += 1
-        c.update(g, acc, g * t_draft, t_fixed + t_row * (g + 1))
+        c.update(plan, acc, g * t_draft, t_fixed + t_row * (g + 1))
     return c
 
 
 def test_controller_falls_back_when_verify_is_compute_bound_and_speculates_when_cheap():
     # CPU-like: each verified row costs a full step, the draft half of it -> target-only wins.
     cpu = _controller_after(True, t_draft=0.5, t_row=1.0, t_fixed=0.0, alpha=0.7)
-    assert cpu.choose() == 0
+    assert cpu.choose().gamma == 0
     # Forced speculation in the same conditions still drafts, but the shortest draft.
     forced = _controller_after(False, t_draft=0.5, t_row=1.0, t_fixed=0.0, alpha=0.7)
-    assert forced.choose() == 1
+    assert forced.choose().gamma == 1
     # Bandwidth-bound: rows nearly free, cheap draft, high acceptance -> the maximum γ.
     gpu = _controller_after(True, t_draft=0.3, t_row=0.02, t_fixed=1.0, alpha=0.95)
-    assert gpu.choose() == 4
+    assert gpu.choose().gamma == 4
     assert 0.85 < gpu.alpha < 1.0
 
 
