@@ -129,3 +129,24 @@ def add_draft_kv(p: argparse.ArgumentParser) -> None:
         "auto (KV8 while it adds at most 10%% to the draft's bytes per token, by context "
         "length; default %(default)s). The target always reads KV8.",
     )
+
+
+def add_draft_source(p: argparse.ArgumentParser) -> None:
+    """--draft-source and --ngram-tokens, the same on every command that speculates."""
+    from ..draft_control import DRAFT_SOURCES
+
+    p.add_argument(
+        "--draft-source",
+        choices=DRAFT_SOURCES,
+        default="auto",
+        help="what proposes the drafts: model (the W4 draft's chain), ngram (copies of the text "
+        "that followed the longest earlier match of the prompt and output so far; costs no "
+        "draft step), auto (each round the plan with the most expected tokens per cost: a "
+        "chain, a copy, or a copy extended by the W4 draft; default) or none (target-only)",
+    )
+    p.add_argument(
+        "--ngram-tokens",
+        type=positive_int,
+        default=8,
+        help="most tokens an n-gram copy drafts in a round (>= 1; default %(default)s)",
+    )

@@ -29,10 +29,13 @@ from ..loader import LOAD_ERRORS, load, supports_draft
 from ..roofline import CHIPS as CHIPS  # re-exported: the bench's face of the roofline
 from ..roofline import resolve_draft_kv, roofline
 from ..sampling import make_sampler
-from . import kernel_costs, speed_projection
+from ..speed_model import verify_table
+from ..workloads import cost_models
+from . import bench_workloads, kernel_costs, speed_projection
 from .args import (
     Parser,
     add_draft_kv,
+    add_draft_source,
     add_verify,
     int_at_least,
     non_negative_float,
@@ -89,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=non_negative_int, default=0, help="random seed (>= 0)")
     add_draft_kv(p)
+    add_draft_source(p)
     p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm peer baseline")
     p.add_argument(
         "--max-expert-memory",
@@ -114,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and clang) as estimated cycles per weight against Apple GPUs' bandwidth budgets",
     )
     speed_projection.add_arguments(p)
+    bench_workloads.add_arguments(p)
     return p
 
 
@@ -244,6 +249,8 @@ def run(args: argparse.Namespace) -> dict:
                 fallback=fallback,
                 stats=spec_stats[name],
                 draft_kv=args.draft_kv,
+                draft_source=args.draft_source,
+                ngram_tokens=args.ngram_tokens,
             )
 
         return steps
@@ -272,6 +279,11 @@ def run(args: argparse.Namespace) -> dict:
             "generation_tps": gen[name]["tps"],
             "fallback": s.fallback,
             "speedup_vs_target": gen[name]["tps"] / target_tps,
+            "sources": s.sources,
+            "projected_speedup": {
+                chip: {path: s.projected_speedup(cost) for path, cost in by_path.items()}
+                for chip, by_path in cost_models(model, context).items()
+            },
         }
 
     result = {
@@ -294,7 +306,10 @@ def run(args: argparse.Namespace) -> dict:
             "temp": args.temp,
             "repeats": rep,
             "draft_kv": args.draft_kv,
+            "draft_source": args.draft_source,
+            "ngram_tokens": args.ngram_tokens,
         },
+        "verify_cost": verify_table(),
         "prompt_tps": {k: v["tps"] for k, v in pp.items()},
         "generation_tps": {k: v["tps"] for k, v in gen.items()},
         "peak_memory_gb": {
@@ -428,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.speed_model:
         return speed_projection.main(args.model, args.acceptance, args.json)
 
+    if args.workloads is not None:
+        return bench_workloads.main(args)
     try:
         result = run(args)
     except LOAD_ERRORS as e:  # --model could not be fetched or read

@@ -21,6 +21,7 @@ from ..sampling import make_sampler as bitnest_make_sampler
 from .args import (
     Parser,
     add_draft_kv,
+    add_draft_source,
     add_verify,
     fraction,
     non_empty,
@@ -102,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="speculative: never fall back to target-only decoding, even when measured faster",
     )
     add_draft_kv(p)
+    add_draft_source(p)
     p.add_argument("--ignore-chat-template", action="store_true", help="use the raw prompt")
     p.add_argument("--system-prompt", help="system message for the chat template")
     p.add_argument(
@@ -192,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             stats=spec_stats,
             seed=args.seed,
             draft_kv=args.draft_kv,  # decided each round from the cache length
+            draft_source=args.draft_source,
+            ngram_tokens=args.ngram_tokens,
         )
     else:  # the draft reading, or a model without one (DeepSeek-V4): mlx-lm's loop, same noise
         if model.supports_draft:  # mlx-lm's loop: one KV reading, for the final context
@@ -227,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             num_draft_tokens=args.num_draft_tokens,
             mean_drafted=round(spec_stats.mean_drafted, 3),
             draft_vocab=draft_tokens(model),
+            draft_source=args.draft_source,
+            sources=spec_stats.sources,
         )
     if not show:  # another pipeline rank: the same text and stats as rank 0's
         return 0
@@ -254,7 +260,17 @@ def main(argv: list[str] | None = None) -> int:
                 ),
                 file=sys.stderr,
             )
+            if stats["sources"]:
+                print(f"[speculative] {sources_line(stats['sources'])}", file=sys.stderr)
     return 0
+
+
+def sources_line(sources: dict) -> str:
+    """`model: 26 rounds, 33 of 36 accepted | ngram: ...`: the per-source stats in one line."""
+    return " | ".join(
+        f"{name}: {s['rounds']} rounds, {s['accepted']} of {s['drafted']} accepted"
+        for name, s in sorted(sources.items())
+    )
 
 
 if __name__ == "__main__":
