@@ -14,7 +14,8 @@ from .layers.options import DRAFT_KV, RunOptions
 from .roofline import model_kv8_limit, resolve_draft_kv, roofline
 from .sampling import Sampler, acceptance_probability
 from .speculative import SpeculativeStats, speculative_generate_step
-from .speed_model import speed_model
+from .speed_model import speed_model, verify_table
+from .workloads import cost_models, projection, speculate
 
 MODES = ("draft", "target", "float")
 # Sampled acceptance and the speculative runs: the settings the issue asks for (a common chat
@@ -120,6 +121,7 @@ def sampled_acceptance(
                 fallback=False,
                 stats=stats,
                 seed=seed,
+                draft_source="model",  # the W4 chain at this γ
                 rule=rule,
                 draft_kv=draft_kv,
                 options=_DENSE,  # dense only for the prompt prefill: γ+1 rows stay quantized
@@ -162,6 +164,7 @@ def evaluate(
     prompts: Mapping[str, Sequence[int]] | None = None,
     seed: int = 0,
     rule: str = "rejection",
+    draft_source: str = "auto",
 ) -> dict:
     """Scores of a bitnest model on the first `max_tokens` tokens of `text`, in `window`-token
     teacher-forced windows: perplexity and bits/byte of each mode; the draft/target greedy
@@ -284,4 +287,43 @@ def evaluate(
             "bytes_per_token": roof["bytes_per_token"],
             **speed_model(roof["bytes_per_token"], result["sum_min_pq"], per_round),
         }
+        result["speculative_sampling"]["adaptive"] = adaptive_runs(
+            model, prompts, gen_tokens, sampler, seed, rule, draft_kv, draft_source, max(gammas)
+        )
+    result["verify_cost"] = verify_table()
     return result
+
+
+def adaptive_runs(
+    model,
+    prompts: Mapping[str, Sequence[int]],
+    gen_tokens: int,
+    sampler: Sampler,
+    seed: int,
+    rule: str,
+    draft_kv: int | str,
+    draft_source: str,
+    num_draft_tokens: int,
+) -> dict:
+    """The loop as users run it (adaptive plans from `draft_source`, fallback on, seeded) over
+    `prompts`: tokens per round of all rounds (target-only steps count as 1-token rounds), the
+    per-source stats and each prompt's projected speedup per chip and v(M) path."""
+    merged, per_prompt = SpeculativeStats(), {}
+    for name, ids in prompts.items():
+        n = max(min(gen_tokens, model.args.max_position_embeddings - len(ids) - 16), 1)
+        kw = dict(rule=rule, draft_kv=draft_kv, num_draft_tokens=num_draft_tokens, options=_DENSE)
+        tokens, stats = speculate(model, ids, n, sampler, seed, draft_source, **kw)
+        costs = cost_models(model, len(ids) + len(tokens) // 2)
+        per_prompt[name] = projection(stats, costs)
+        for r in stats.round_log:
+            merged.record(r)
+    rounds = len(merged.round_log)
+    return {
+        "draft_source": draft_source,
+        "num_draft_tokens": num_draft_tokens,
+        "tokens_per_round": sum(r.tokens for r in merged.round_log) / max(rounds, 1),
+        "rounds": rounds,
+        "target_steps": merged.target_steps,
+        "sources": merged.sources,
+        "projected_speedup": per_prompt,
+    }

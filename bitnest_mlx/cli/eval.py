@@ -15,6 +15,7 @@ from ..sampling import RULES, make_sampler
 from .args import (
     Parser,
     add_draft_kv,
+    add_draft_source,
     add_verify,
     int_at_least,
     non_empty,
@@ -138,6 +139,7 @@ def build_parser() -> Parser:
         "sum(min(p, q)))",
     )
     add_draft_kv(p)
+    add_draft_source(p)
     add_verify(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -179,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts=prompts,
         seed=args.seed,
         rule=args.rule,
+        draft_source=args.draft_source,
     )
     result = {"model": str(args.model), "text": str(args.text), "mode": args.mode, **result}
     if args.mode != "all":
@@ -196,6 +199,7 @@ def report(r: dict) -> str:
     ]
     kv, sampling = r.pop("draft_kv"), r.pop("sampling")
     runs, speed = r.pop("speculative_sampling", None), r.pop("speed_model", None)
+    verify_cost = r.pop("verify_cost")
     for k, v in r.items():
         lines.append(f"{k:>17}: {v:.4f}" if isinstance(v, float) else f"{k:>17}: {v}")
     limit = kv["kv8_context_limit"]
@@ -247,6 +251,31 @@ def report(r: dict) -> str:
                 f"  best (i.i.d.): gamma {speed['best_gamma_iid']}, "
                 f"{speed['best_speedup_iid']:.3f}x target-only"
             )
+    if runs is not None and "adaptive" in runs:
+        a = runs["adaptive"]
+        lines.append(
+            f"adaptive runs (--draft-source {a['draft_source']}, at most {a['num_draft_tokens']} "
+            f"W4 tokens a round): {a['tokens_per_round']:.3f} tokens per round over "
+            f"{a['rounds']} rounds ({a['target_steps']} target-only)"
+        )
+        for source, s in sorted(a["sources"].items()):
+            lines.append(
+                f"  {source}: {s['rounds']} rounds, {s['accepted']} of {s['drafted']} accepted"
+            )
+        for prompt, chips in a["projected_speedup"].items():
+            lines.append(
+                f"  {prompt}: projected "
+                + ", ".join(f"{c} {v['pure']:.3f}x / {v['kernel']:.3f}x" for c, v in chips.items())
+                + " (pure / kernel v(M))"
+            )
+    for path, chips in verify_cost.items():
+        lines.append(
+            f"v(M) {path}: "
+            + "; ".join(
+                f"{c} " + " ".join(f"{v:.2f}" for v in row.values()) for c, row in chips.items()
+            )
+            + f" (M = {', '.join(map(str, next(iter(chips.values()))))})"
+        )
     return "\n".join(lines)
 
 
