@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
+
 # Peak memory bandwidth (GB/s) of each chip name's largest configuration.
 PEAK_GBS = {
     "M1": 68.25, "M1 Pro": 200, "M1 Max": 400, "M1 Ultra": 800,
@@ -81,3 +83,25 @@ def gpu(name: str) -> Chip:
     if not known:
         raise ValueError(f"unknown chip {name!r}; known: {', '.join(c.name for c in GPUS)}")
     return max(known, key=lambda c: len(c.name))
+
+
+def chip_peak() -> tuple[str, float] | None:
+    """(device name, peak GB/s) of this Mac's GPU, or None off Metal / for an unknown chip. The
+    longest matching name in `PEAK_GBS` wins ("M4 Max" before "M4"); binned parts (e.g. the
+    300 GB/s M3 Max) differ from it."""
+    if not mx.metal.is_available():
+        return None
+    name = str(mx.metal.device_info().get("device_name", ""))
+    known = [c for c in PEAK_GBS if f"{c} " in f"{name} "]
+    return (name, PEAK_GBS[max(known, key=len)]) if known else None
+
+
+def achieved_bandwidth(bytes_per_token: dict, tps: dict, peak: tuple[str, float]) -> dict:
+    """GB/s implied by the measured tok/s and the roofline's bytes per token, and its fraction
+    of the chip's peak (decode is bandwidth-bound: 1.0 would be the ceiling)."""
+    chip, bw = peak
+    out = {"chip": chip, "peak_gbs": bw}
+    for mode in ("draft", "target"):
+        gbs = bytes_per_token[mode] * tps[mode] / 1e9
+        out[mode] = {"gbs": gbs, "fraction_of_peak": gbs / bw}
+    return out

@@ -14,7 +14,8 @@ v(M) per chip family and per path:
 * `kernel` (our dual-plane kernel, which decodes each weight block once for all M rows): from
   its executed operation counts at each M (`KERNEL_CYCLES`, the CPU emulator) against the
   chip's ALU budget while it streams the planes at peak bandwidth (`chips.Chip.budget`). A pass
-  is bound by bytes until the M rows' arithmetic exceeds that budget.
+  is bound by bytes until the M rows' arithmetic exceeds that budget. The kernel takes at most
+  `MAX_M` rows; a wider pass runs MLX's matmuls and costs what `pure` does.
 
 At long context the verify pass also reads the KV cache: `kv_fraction` (KV bytes / weight bytes
 of the pass) weighs in the nested-KV attention kernel's counts at L = M rows (`KV8_CYCLES`).
@@ -27,8 +28,9 @@ from dataclasses import dataclass
 
 from .chips import family as chip_family
 from .chips import gpu
+from .kernels.dual_plane import MAX_M
 
-MAX_ROWS = 16  # the table's range; wider passes extrapolate from its last two points
+MAX_ROWS = 16  # the table's range; wider passes cost what its last point says
 PATHS = ("kernel", "pure")
 DEFAULT_CHIP = "M4 Max"  # the chip the projections and the seeded controller assume
 # The projections' path: the measured one. The kernel's counts are a bound no Mac has confirmed
@@ -55,23 +57,20 @@ PURE_VERIFY: dict[str, dict[int, float]] = {
 # Lane-cycles per weight·row of the dual-plane kernel's target pass (both planes, A8, group 64,
 # K = 3072, 64 rows) at M rows, counted in the CPU emulator (`bench --kernels` machinery,
 # kernels/emulator/profile.py with M set); lane-cycle costs per operation: profile.CYCLES.
-KERNEL_CYCLES = {1: 5.993, 2: 3.596, 3: 2.799, 4: 2.404, 6: 2.007, 8: 1.81, 12: 1.612, 16: 1.514}
+KERNEL_CYCLES = {1: 5.993, 2: 3.596, 3: 2.799, 4: 2.404, 6: 2.007, 8: 1.81}
 KERNEL_STREAM_BYTES = 1 + 2 / 64  # per weight: a byte of the two nibble planes, fp16 scale / 64
 # Lane-cycles per KV element·row of the nested-KV attention kernel reading KV8 at L rows
 # (two launches; 512 cached tokens, head_dim 128, group 64, GQA 3), same counting.
-KV8_CYCLES = {1: 17.593, 2: 11.12, 3: 17.263, 4: 13.04, 6: 13.039, 8: 9.87, 12: 10.912, 16: 9.838}
+KV8_CYCLES = {1: 17.593, 2: 11.12, 3: 17.263, 4: 13.04, 6: 13.039, 8: 9.87}
 KV8_STREAM_BYTES = 1 + 4 / 64  # per element: both planes, an fp32 scale per 64
 
 
 def _interpolate(points: Mapping[int, float], m: float) -> float:
+    """Linear between the points, flat outside them."""
     ms = sorted(points)
-    if m <= ms[0]:
-        return points[ms[0]]
-    lo, hi = ms[-2], ms[-1]  # beyond the last point: extend its last segment
-    for a, b in zip(ms, ms[1:]):
-        if m <= b:
-            lo, hi = a, b
-            break
+    if m <= ms[0] or m >= ms[-1]:
+        return points[ms[0] if m <= ms[0] else ms[-1]]
+    lo, hi = next((a, b) for a, b in zip(ms, ms[1:]) if m <= b)
     return points[lo] + (points[hi] - points[lo]) * (m - lo) / (hi - lo)
 
 
@@ -94,7 +93,7 @@ def verify_cost(
         raise ValueError(f"a verify pass has at least 1 row, got {rows}")
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    if path == "pure":
+    if path == "pure" or rows > MAX_M:  # the kernels take at most MAX_M rows, then MLX's
         weights = _interpolate(PURE_VERIFY[chip_family(chip)], rows)
         weights_1 = 1.0
     else:
@@ -102,6 +101,7 @@ def verify_cost(
         weights_1 = _bound(KERNEL_CYCLES, KERNEL_STREAM_BYTES, chip, 1)
     if kv_fraction <= 0:
         return weights / weights_1
+    # Past MAX_M rows attention is MLX's: priced at the kernel's count per row at MAX_M.
     kv = _bound(KV8_CYCLES, KV8_STREAM_BYTES, chip, rows)
     kv_1 = _bound(KV8_CYCLES, KV8_STREAM_BYTES, chip, 1)
     return (weights + kv_fraction * kv) / (weights_1 + kv_fraction * kv_1)

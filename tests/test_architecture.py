@@ -23,7 +23,12 @@ RANKS = {
     "sampling": 4,
     "speculative": 4,
     "evaluation": 4,
-    "roofline": 4,  # bytes per token: the draft-KV policy and the speed model
+    "chips": 0,  # Apple GPU facts: bandwidth, cores, clocks
+    "roofline": 4,  # bytes per token and the draft-KV policy
+    "speed_model": 4,  # v(M) and what a round of speculation costs
+    "prompt_lookup": 4,  # n-gram drafts from the context
+    "draft_control": 4,  # each round's plan: chain, copy, copy + chain, target-only
+    "workloads": 4,  # bench --workloads' prompts and runs
     "loader": 4,
     "dsv4": 4,
     "dsv4_bench": 4,  # DeepSeek-V4 memory, bytes and per-part timing for bench

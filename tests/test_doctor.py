@@ -50,9 +50,30 @@ def test_the_demo_decodes_on_the_pure_path_and_reports_its_speeds(emulated_repor
     assert 0 <= d["acceptance"] <= 1
 
 
+def test_verify_cost_is_timed_on_the_pure_path_beside_the_table(emulated_report):
+    v = emulated_report["verify_cost"]
+    assert v["kernel"]["measured"] is None  # no Metal: the kernel path does not run
+    measured = v["pure"]["measured"]
+    assert measured["1"] == 1.0 and all(x > 0 for x in measured.values())
+    assert v["table_chip"] is None  # this CPU is not in the table
+
+
+def test_verify_report_prints_the_table_of_a_known_chip():
+    from bitnest_mlx.cli import doctor_verify
+    from bitnest_mlx.speed_model import verify_cost
+
+    v = doctor_verify.verify_report(False, "Apple M4 Max", repeats=1)
+    assert v["table_chip"] == "M4 Max"
+    assert v["pure"]["table"] == {
+        str(m): verify_cost(m, "M4 Max", "pure") for m in (1, 2, 4, 8, 16)
+    }
+    assert "| pure, table (M4 Max) | 1.00 |" in "\n".join(doctor_verify.markdown(v))
+
+
 def _paths(value, prefix: str = "") -> set[str]:
     """Field paths of a JSON value: `a.b`, a list's items as `a[].b`."""
-    if isinstance(value, dict) and not prefix.endswith("kernels_vs_pure"):  # documented whole
+    whole = ("kernels_vs_pure", "verify_cost.pure", "verify_cost.kernel", "verify_cost.shape")
+    if isinstance(value, dict) and not prefix.endswith(whole):  # documented whole
         out = set()
         for key, v in value.items():
             # Maps keyed by kernel name are one documented field each (`compiled.<kernel>`).

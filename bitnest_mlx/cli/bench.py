@@ -22,7 +22,7 @@ from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
 from .. import dsv4_bench, kernels, speculative
-from ..chips import PEAK_GBS
+from ..chips import achieved_bandwidth, chip_peak
 from ..demo import DEMO, resolve_model
 from ..hub import resolve
 from ..loader import LOAD_ERRORS, load, supports_draft
@@ -43,28 +43,6 @@ from .args import (
     positive_int,
     refuse,
 )
-
-
-def chip_peak() -> tuple[str, float] | None:
-    """(device name, peak GB/s) of this Mac's GPU, or None off Metal / for an unknown chip. The
-    longest matching name in `PEAK_GBS` wins ("M4 Max" before "M4"); binned parts (e.g. the
-    300 GB/s M3 Max) differ from it."""
-    if not mx.metal.is_available():
-        return None
-    name = str(mx.metal.device_info().get("device_name", ""))
-    known = [c for c in PEAK_GBS if f"{c} " in f"{name} "]
-    return (name, PEAK_GBS[max(known, key=len)]) if known else None
-
-
-def achieved_bandwidth(bytes_per_token: dict, tps: dict, peak: tuple[str, float]) -> dict:
-    """GB/s implied by the measured tok/s and the roofline's bytes per token, and its fraction
-    of the chip's peak (decode is bandwidth-bound: 1.0 would be the ceiling)."""
-    chip, bw = peak
-    out = {"chip": chip, "peak_gbs": bw}
-    for mode in ("draft", "target"):
-        gbs = bytes_per_token[mode] * tps[mode] / 1e9
-        out[mode] = {"gbs": gbs, "fraction_of_peak": gbs / bw}
-    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

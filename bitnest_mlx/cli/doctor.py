@@ -6,7 +6,9 @@ this machine? A short Markdown report to paste into an issue (`--json`: the same
   nested-KV attention and its merge, Hadamard, MXTQ gather and fused SwiGLU at 2 and 4 bits):
   compiled, self-test passed, GB/s at a decode-sized shape beside the chip's bandwidth;
 * the demo package decoded greedily with kernels on and off (same tokens? tok/s of each), and
-  its draft / target / speculative tok/s.
+  its draft / target / speculative tok/s;
+* the verify cost v(M) for M = 1, 2, 4, 8, 16 rows, timed on both paths, beside the speed
+  model's table for this chip (`doctor_verify`).
 
 Off Metal the kernels are reported unavailable and only the pure-MLX part runs (`--emulator`
 runs their self-tests in the CPU emulator instead, which needs g++). Under a minute on a Mac:
@@ -28,12 +30,14 @@ from dataclasses import replace
 import mlx.core as mx
 
 from .. import kernels, speculative
+from ..chips import chip_peak
 from ..demo import demo_path
 from ..loader import load
 from ..sampling import make_sampler
 from .args import positive_int
-from .bench import chip_peak
 from .doctor_kernels import run_checks
+from .doctor_verify import markdown as verify_markdown
+from .doctor_verify import verify_report
 
 SCHEMA = 1
 PROMPT = "The river"
@@ -166,6 +170,9 @@ def collect(args: argparse.Namespace, runner: kernels.Runner | None = None) -> d
         "kernels": kernel_report(runner, args.repeats, sysinfo["peak_gbs"]),
     }
     report["decode"] = decode_report(args.max_tokens, kernels_on=report["kernels"]["available"])
+    # Off Metal a pass is compute-bound and slow: fewer replays say as much.
+    repeats = args.repeats if sysinfo["metal"] else min(args.repeats, 3)
+    report["verify_cost"] = verify_report(report["kernels"]["available"], sysinfo["chip"], repeats)
     report["seconds"] = time.perf_counter() - tic
     return report
 
@@ -226,6 +233,7 @@ def markdown(r: dict) -> str:
         f"| speculative | {_num(d['speculative_tps'])} "
         f"(acceptance {100 * d['acceptance']:.0f} %) |",
         "",
+        *verify_markdown(r["verify_cost"]),
         f"took {r['seconds']:.1f} s",
     ]
     return "\n".join(lines)
