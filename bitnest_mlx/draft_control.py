@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from .speed_model import CostModel, Round
 
 DRAFT_SOURCES = ("auto", "model", "ngram", "none")
-SOURCES = ("model", "ngram")  # the sources whose acceptance is estimated
 
 
 @dataclass(frozen=True)
@@ -91,7 +90,8 @@ class DraftController:
         self.max_gamma = max_gamma if source in ("auto", "model") else 0
         self.ngram = source in ("auto", "ngram")
         self.fallback, self.reprobe, self.cost = fallback, reprobe, cost
-        self.acceptance = {"model": Acceptance(0.8), "ngram": Acceptance(0.5)}
+        # Copies are estimated per match length: a 4-token match predicts better than a 2-token one.
+        self.acceptance = {"model": Acceptance(0.8)}
         self.t_draft: float | None = None  # seconds per 1-row draft call (measured costs)
         self.t_verify: dict[int, float] = {}  # rows -> seconds (measured costs)
         self.since_spec = 0
@@ -131,7 +131,7 @@ class DraftController:
         return self._draft(plan.draft_calls) + self._verify(plan.gamma + 1)
 
     def expected_tokens(self, plan: Plan) -> float:
-        alphas = [self.acceptance["ngram"].alpha] * len(plan.ngram)
+        alphas = [self._copies(plan.match).alpha] * len(plan.ngram)
         alphas += [self.acceptance["model"].alpha] * plan.steps
         expected, reach = 1.0, 1.0
         for a in alphas:
@@ -172,12 +172,16 @@ class DraftController:
             return Plan()
         return best
 
+    def _copies(self, match: int) -> Acceptance:
+        """The acceptance of copies behind a match of `match` tokens."""
+        return self.acceptance.setdefault(f"ngram{match}", Acceptance(0.5))
+
     def update(self, plan: Plan, accepted: int, draft_s: float, verify_s: float) -> None:
         """Fold in a round: `accepted` of its drafts, its measured draft and verify seconds."""
         copied = min(accepted, len(plan.ngram))
         if plan.ngram:
             # An n-gram prefix is tested first: its acceptances, then the model's after it.
-            self.acceptance["ngram"].update(len(plan.ngram), copied)
+            self._copies(plan.match).update(len(plan.ngram), copied)
         if plan.steps and accepted >= len(plan.ngram):
             self.acceptance["model"].update(plan.steps, accepted - len(plan.ngram))
         self.since_spec = self.since_spec + 1 if plan.gamma == 0 else 0
