@@ -174,13 +174,19 @@ def test_auto_decides_each_round_from_the_cache_length(package):
     real_draft = speculative.draft
 
     def spy(model_, cache, y, gamma, *args):
-        seen.append((cache[0].offset + gamma, args[-2].draft_kv))
+        seen.append((cache[0].offset + gamma, args[3].draft_kv))  # (sampler, history, procs, o)
         return real_draft(model_, cache, y, gamma, *args)
 
     prompt = mx.array(np.arange(limit - 8) % 250, dtype=mx.uint32)
     with mock.patch.object(speculative, "draft", spy):
         steps = speculative_generate_step(
-            prompt, model, max_tokens=24, num_draft_tokens=2, adaptive=False, fallback=False
+            prompt,
+            model,
+            max_tokens=24,
+            num_draft_tokens=2,
+            adaptive=False,
+            fallback=False,
+            draft_source="model",  # the prompt repeats: copies would draft instead
         )
         for _ in steps:
             pass
