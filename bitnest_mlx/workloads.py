@@ -148,6 +148,7 @@ def run_workloads(
                         "tokens_per_round": len(tokens) / len(stats.round_log),
                         "projected_speedup": projection(stats, costs),
                         "sources": stats.sources,
+                        "tokens": tokens,
                     }
                     for r in stats.round_log:
                         merged.record(r)

@@ -12,6 +12,7 @@ import json
 import sys
 
 from ..demo import resolve_model
+from ..layers.dual_plane import keep_dense
 from ..loader import LOAD_ERRORS, load
 from ..speed_model import verify_table
 from ..workloads import CONFIGS, PROJECT_CHIPS, WORKLOADS, run_workloads
@@ -44,6 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="--workloads: temperatures (top-p 0.95 when > 0; default 0 0.7)",
     )
     p.add_argument(
+        "--dense-weights",
+        action="store_true",
+        help="--workloads: keep W4 and W8 as float matrices (8 bytes per weight) so that a CPU "
+        "verifies M rows for about the cost of one (layers.dual_plane.keep_dense; float "
+        "rounding as the dense path)",
+    )
+    p.add_argument(
         "--workload-configs",
         nargs="+",
         choices=tuple(CONFIGS),
@@ -62,6 +70,8 @@ def main(args: argparse.Namespace) -> int:
         return refuse(e)
     if not model.supports_draft or tokenizer is None:
         return refuse(f"{args.model}: --workloads needs a bitnest package with a tokenizer")
+    if args.dense_weights:
+        keep_dense(model)
 
     def progress(line: str) -> None:
         if not args.json:
@@ -80,6 +90,7 @@ def main(args: argparse.Namespace) -> int:
         progress,
     )
     result = {"model": str(args.model), **result, "verify_cost": verify_table()}
+    result["settings"]["dense_weights"] = args.dense_weights
     print(json.dumps(result, indent=2) if args.json else report(result))
     return 0
 

@@ -61,6 +61,9 @@ class DualPlaneLinear(nn.Module):
         )
 
     def _pure(self, x: mx.array, draft: bool, dense_min_rows: int = 0) -> mx.array:
+        kept = getattr(self, "kept_dense", None)  # `keep_dense`: W4 and W8 as float matrices
+        if kept is not None:
+            return x @ kept[draft].astype(x.dtype).T
         if dense_min_rows and x.size >= dense_min_rows * x.shape[-1]:
             # The input first: in one lazy graph of a whole model MLX computes the weight-only
             # dequantizations early, so every layer's dense weights would be alive at once
@@ -103,6 +106,22 @@ class DualPlaneLinear(nn.Module):
         if f"{prefix}.bias" in tensors:
             out[f"{prefix}.bias"] = tensors[f"{prefix}.bias"].astype(dtype)
         return out
+
+
+def keep_dense(model: nn.Module) -> int:
+    """Keep every DualPlaneLinear's W4 and W8 as dense float32 matrices (8 bytes per weight)
+    for the pure path to multiply: on a CPU a matmul of M rows then costs one read of floats
+    whatever M, instead of M quantized matvecs. Same numerics as the dense path
+    (`RunOptions.dense_min_rows`): equal to the quantized path up to float rounding. For long
+    CPU measurements (`bench --workloads --dense-weights`); returns the bytes kept."""
+    kept = 0
+    for m in model.modules():
+        if isinstance(m, DualPlaneLinear):
+            weights = {d: m.dequantized(d).astype(mx.float32) for d in (True, False)}
+            mx.eval(weights)
+            object.__setattr__(m, "kept_dense", weights)  # not a parameter: never saved
+            kept += sum(w.nbytes for w in weights.values())
+    return kept
 
 
 def project(
