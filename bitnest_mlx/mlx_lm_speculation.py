@@ -89,6 +89,9 @@ def shared_cache_steps(
         num_draft_tokens=num_draft_tokens,
         prompt_cache=cache,
         prefill_step_size=prefill_step_size,
+        # bitnest-server sets these from --draft-source / --ngram-tokens
+        draft_source=getattr(draft_model, "draft_source", "auto"),
+        ngram_tokens=getattr(draft_model, "ngram_tokens", 8),
     )
     return steps if cache is None else _settled(steps, model, cache, prompt.tolist())
 

@@ -30,7 +30,7 @@ from ..demo import resolve_model
 from ..hub import HubError, resolve
 from ..loader import LOAD_ERRORS, supports_draft, verify_path
 from ..mlx_lm_plugin import DRAFT_SUFFIX, register
-from .args import refuse
+from .args import add_draft_source, refuse
 
 OURS = ("target_only", "verify")  # flags mlx-lm's server does not have
 
@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--allowed-origins", type=lambda x: x.split(","), default="*")
     a("--draft-model", default=None, help="default for a bitnest package: MODEL#draft")
     a("--num-draft-tokens", type=int, default=3, help="the maximum draft length")
+    add_draft_source(p)
     a("--trust-remote-code", action="store_true")
     levels = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
     a("--log-level", default="INFO", choices=levels)

@@ -96,7 +96,11 @@ class Provider(mlx_server.ModelProvider):
     def load(self, model_path, adapter_path=None, draft_model_path=None):
         if model_path in self.aliases:
             model_path = "default_model"
-        return super().load(model_path, adapter_path, draft_model_path)
+        loaded = super().load(model_path, adapter_path, draft_model_path)
+        if self.draft_model is not None:  # a DraftView: what the shared-cache loop drafts with
+            self.draft_model.draft_source = getattr(self.cli_args, "draft_source", "auto")
+            self.draft_model.ngram_tokens = getattr(self.cli_args, "ngram_tokens", 8)
+        return loaded
 
     @property
     def context(self) -> int | None:
@@ -110,7 +114,8 @@ class Provider(mlx_server.ModelProvider):
         args = self.cli_args
         if self.draft_model is not None:
             spec = (
-                f"speculation=on draft={args.draft_model} max-draft-tokens={args.num_draft_tokens}"
+                f"speculation=on draft={args.draft_model} max-draft-tokens={args.num_draft_tokens} "
+                f"draft-source={getattr(args, 'draft_source', 'auto')}"
             )
         else:
             spec = "speculation=off"
