@@ -1,0 +1,108 @@
+"""The one table of the verify cost v(M), the cost of logged rounds, the plan a controller with
+fixed costs picks, and `bench --workloads`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bitnest_mlx.chips import GPUS, family, gpu
+from bitnest_mlx.cli import bench
+from bitnest_mlx.draft_control import DraftController, Plan
+from bitnest_mlx.speed_model import (
+    KERNEL_CYCLES,
+    CostModel,
+    Round,
+    rounds_speedup,
+    verify_cost,
+)
+from bitnest_mlx.workloads import WORKLOADS, load_workload
+
+ROWS = range(1, 21)
+
+
+@pytest.mark.parametrize("path", ["pure", "kernel"])
+def test_one_row_costs_one_step_and_more_rows_never_cost_less(path):
+    for chip in GPUS:
+        costs = [verify_cost(m, chip.name, path) for m in ROWS]
+        assert costs[0] == 1.0
+        assert all(b >= a for a, b in zip(costs, costs[1:])), chip.name
+
+
+def test_m1_m2_verify_rows_dearer_than_m3_and_later_on_the_pure_path():
+    assert family("Apple M2 Max") == "M1/M2" and family("M4 Pro") == "M3+"
+    for m in ROWS:
+        assert verify_cost(m, "M1 Max", "pure") >= verify_cost(m, "M3 Max", "pure")
+    assert verify_cost(4, "M2 Ultra", "pure") > verify_cost(4, "M4 Max", "pure") > 1
+
+
+def test_kernel_cost_is_bytes_until_the_rows_arithmetic_exceeds_the_alu_budget():
+    # M1 Max: 32 cores x 128 lanes at 1.296 GHz against 400 GB/s, for 1 + 2/64 bytes a weight.
+    budget = 32 * 128 * 1.296 * (1 + 2 / 64) / 400
+    assert gpu("M1 Max").budget(1 + 2 / 64) == pytest.approx(budget)
+    assert KERNEL_CYCLES[1] < budget and 8 * KERNEL_CYCLES[8] > budget
+    assert verify_cost(2, "M1 Max", "kernel") == 1.0
+    assert verify_cost(8, "M1 Max", "kernel") == pytest.approx(8 * KERNEL_CYCLES[8] / budget)
+    # Past the kernel's 8 rows the layers run MLX's matmuls: the pure path's cost.
+    assert verify_cost(9, "M1 Max", "kernel") == verify_cost(9, "M1 Max", "pure")
+
+
+def test_long_context_makes_verify_rows_dearer():
+    for m in (2, 4, 8):
+        short, long = (verify_cost(m, "M4 Max", "kernel", f) for f in (0.0, 0.3))
+        assert long > short
+    assert verify_cost(1, "M4 Max", "kernel", 0.3) == 1.0
+
+
+def test_rounds_cost_their_draft_calls_and_verify_pass():
+    cost = CostModel(0.5, "M1", "pure")
+    rounds = [
+        Round("model", 2, 2, (1, 1)),  # 3 tokens for 2 draft steps + v(3)
+        Round("ngram", 4, 1, ()),  # 2 tokens for v(5) alone
+        Round("target", 0, 0),  # 1 token for 1 step
+    ]
+    spent = 0.5 * 2 + verify_cost(3, "M1", "pure") + verify_cost(5, "M1", "pure") + 1
+    assert rounds_speedup(rounds, cost) == pytest.approx(6 / spent)
+    assert rounds_speedup([], cost) is None
+
+
+def test_fixed_cost_controller_copies_when_copies_are_accepted():
+    control = DraftController(3, "auto", cost=CostModel(0.5, "M4 Max", "pure"))
+    copy = [5, 6, 7, 8, 9, 10]
+    for _ in range(20):
+        plan = control.choose(copy, match=4)
+        control.update(plan, plan.gamma, 0.0, 0.0)  # every draft accepted
+    plan = control.choose(copy, match=4)
+    assert plan.ngram == tuple(copy) and plan.source in ("ngram", "ngram+model")
+    # Without a copy it drafts the chain; with copies rejected it stops copying.
+    assert control.choose([], 0).source == "model"
+    for _ in range(30):
+        plan = control.choose(copy, match=2)
+        control.update(plan, 0, 0.0, 0.0)
+    assert not control.choose(copy, match=2).ngram
+    assert Plan((1, 2), 3).draft_calls == (3, 1, 1)  # y and the copy in one call, then steps
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_every_workload_prompt_is_a_chat_ending_with_the_users_turn(name):
+    prompts = load_workload(name)
+    assert len(prompts) >= 3
+    for p in prompts:
+        assert p["messages"][-1]["role"] == "user"
+        assert {m["role"] for m in p["messages"]} <= {"system", "user", "assistant"}
+    with pytest.raises(ValueError, match="unknown workload"):
+        load_workload("poetry")
+
+
+def test_bench_workloads_reports_rounds_sources_and_projections(capsys):
+    argv = ["--workloads", "code_edit", "--workload-tokens", "6", "--workload-temps", "0"]
+    assert bench.main([*argv, "--workload-configs", "chain+ngram", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    r = out["workloads"]["code_edit"]["0.0"]["chain+ngram"]
+    assert r["tokens_per_round"] >= 1 and r["rounds"] >= 1
+    assert set(r["projected_speedup"]) == {"M1", "M3 Max", "M4 Max"}
+    assert set(r["projected_speedup"]["M4 Max"]) == {"pure", "kernel"}
+    assert len(r["prompts"]) == len(load_workload("code_edit"))
+    assert all(len(p["tokens"]) >= 6 for p in r["prompts"].values())
+    assert out["verify_cost"]["pure"]["M4 Max"]["1"] == 1.0
