@@ -110,6 +110,26 @@ def sampled_tokens_per_round(accept: np.ndarray, b: tuple[int, ...]) -> float:
     return float(total.mean())
 
 
+def draft_vocab_size(model) -> int:
+    head = getattr(model, "draft_head", None)
+    return model.args.vocab_size if head is None else head.ids.size
+
+
+def draft_vocab_misses(model, prompt: list[int], generated: list[int]) -> np.ndarray:
+    """(generated tokens, those outside the draft vocabulary, those outside it and not in the
+    context before them): what the W4 draft can never propose, and what joining the context's
+    tokens to the draft vocabulary at run time would leave."""
+    head = getattr(model, "draft_head", None)
+    vocab = set(range(model.args.vocab_size)) if head is None else set(head.ids.tolist())
+    seen, miss, miss_ctx = set(prompt), 0, 0
+    for t in generated:
+        if t not in vocab:
+            miss += 1
+            miss_ctx += t not in seen
+        seen.add(t)
+    return np.array([len(generated), miss, miss_ctx], dtype=float)
+
+
 def price(b: tuple[int, ...], tokens: float, cost) -> float:
     w = widths(b)
     return tokens / (cost.draft([1, *w[:-1]]) + cost.verify(nodes(b) + 1))
@@ -166,13 +186,19 @@ def main() -> None:
             prompts = {q["name"]: q["messages"] for q in load_workload(name)}
             for temp, configs in temps.items():
                 sampler = Sampler(float(temp), 0.95 if float(temp) else 0.0)
-                rows, context = [], []
+                rows, context, outside = [], [], np.zeros(3)
                 for prompt, r in configs[args.config]["prompts"].items():
                     ids = prompt_ids(tokenizer, prompts[prompt])
                     rows.append(teacher_forced(model, ids + r["tokens"], len(ids), sampler))
                     context.append(len(ids) + len(r["tokens"]) // 2)
+                    outside += draft_vocab_misses(model, ids, r["tokens"])
                 costs = cost_models(model, int(np.mean(context)), ("M4 Max",))["M4 Max"]
                 results.setdefault(name, {})[temp] = analyse(rows, float(temp), costs)
+                results[name][temp]["draft_vocab"] = {
+                    "size": draft_vocab_size(model),
+                    "outside": outside[1] / outside[0],
+                    "outside_with_context": outside[2] / outside[0],
+                }
                 print(json.dumps({name: {temp: results[name][temp]}}), flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
