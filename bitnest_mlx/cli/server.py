@@ -32,7 +32,7 @@ from ..loader import LOAD_ERRORS, supports_draft, verify_path
 from ..mlx_lm_plugin import DRAFT_SUFFIX, register
 from .args import add_draft_source, refuse
 
-OURS = ("target_only", "verify")  # flags mlx-lm's server does not have
+OURS = ("target_only", "verify", "draft_source", "ngram_tokens")  # not mlx-lm server flags
 
 
 def build_parser() -> argparse.ArgumentParser:
