@@ -110,26 +110,20 @@ def sampled_acceptance(
         per_prompt = {}
         for name, ids in prompts.items():
             n = max(min(gen_tokens, context - len(ids) - gamma - 2), 1)
-            stats = SpeculativeStats()
-            steps = speculative_generate_step(
-                mx.array(ids, dtype=mx.uint32),
+            _, stats = speculate(
                 model,
-                max_tokens=-1,
-                sampler=sampler,
+                ids,
+                n,
+                sampler,
+                seed,
+                "model",  # the W4 chain at this γ
                 num_draft_tokens=gamma,
                 adaptive=False,
                 fallback=False,
-                stats=stats,
-                seed=seed,
-                draft_source="model",  # the W4 chain at this γ
                 rule=rule,
                 draft_kv=draft_kv,
                 options=_DENSE,  # dense only for the prompt prefill: γ+1 rows stay quantized
             )
-            for produced, _ in enumerate(steps, 1):
-                if produced >= n:
-                    break
-            steps.close()
             per_prompt[name] = stats.mean_accepted
             accepted, rounds, drafted = (
                 accepted + stats.accepted,
