@@ -20,10 +20,6 @@ PEAK_GBS = {
     "M4": 120, "M4 Pro": 273, "M4 Max": 546,
 }  # fmt: skip
 
-# Chip families whose multi-row quantized matmuls behave alike (speed_model's v(M) table):
-# M1/M2 GPUs, and M3 and later (dynamic caching; MLX's qmv_wide targets them).
-FAMILIES = ("M1/M2", "M3+")
-
 
 @dataclass(frozen=True)
 class Chip:
@@ -38,10 +34,6 @@ class Chip:
     @property
     def alus(self) -> int:
         return 128 * self.gpu_cores
-
-    @property
-    def family(self) -> str:
-        return family(self.name)
 
     def budget(self, stream_bytes: float) -> float:
         """Lane-cycles the GPU has per unit of work while reading its `stream_bytes` at peak
@@ -69,7 +61,9 @@ GPUS = (
 
 
 def family(name: str) -> str:
-    """The family ("M1/M2" or "M3+") of a chip name such as "M4 Max" or "Apple M2 Pro"."""
+    """The family ("M1/M2" or "M3+") of a chip name such as "M4 Max" or "Apple M2 Pro": those
+    whose multi-row quantized matmuls behave alike (speed_model's v(M) table; MLX's qmv_wide
+    serves M3 and later)."""
     for word in name.split():
         if len(word) >= 2 and word[0] == "M" and word[1:].isdigit():
             return "M1/M2" if int(word[1:]) <= 2 else "M3+"
@@ -87,13 +81,15 @@ def gpu(name: str) -> Chip:
 
 def chip_peak() -> tuple[str, float] | None:
     """(device name, peak GB/s) of this Mac's GPU, or None off Metal / for an unknown chip. The
-    longest matching name in `PEAK_GBS` wins ("M4 Max" before "M4"); binned parts (e.g. the
+    longest matching name in `GPUS` wins ("M4 Max" before "M4"); binned parts (e.g. the
     300 GB/s M3 Max) differ from it."""
     if not mx.metal.is_available():
         return None
     name = str(mx.metal.device_info().get("device_name", ""))
-    known = [c for c in PEAK_GBS if f"{c} " in f"{name} "]
-    return (name, PEAK_GBS[max(known, key=len)]) if known else None
+    try:
+        return name, gpu(name).bandwidth_gbs
+    except ValueError:
+        return None
 
 
 def achieved_bandwidth(bytes_per_token: dict, tps: dict, peak: tuple[str, float]) -> dict:

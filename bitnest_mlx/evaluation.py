@@ -15,7 +15,7 @@ from .roofline import model_kv8_limit, resolve_draft_kv, roofline
 from .sampling import Sampler, acceptance_probability
 from .speculative import SpeculativeStats, speculative_generate_step
 from .speed_model import speed_model, verify_table
-from .workloads import cost_models, projection, speculate
+from .workloads import run_prompts, speculate
 
 MODES = ("draft", "target", "float")
 # Sampled acceptance and the speculative runs: the settings the issue asks for (a common chat
@@ -302,15 +302,18 @@ def adaptive_runs(
     """The loop as users run it (adaptive plans from `draft_source`, fallback on, seeded) over
     `prompts`: tokens per round of all rounds (target-only steps count as 1-token rounds), the
     per-source stats and each prompt's projected speedup per chip and v(M) path."""
-    merged, per_prompt = SpeculativeStats(), {}
-    for name, ids in prompts.items():
-        n = max(min(gen_tokens, model.args.max_position_embeddings - len(ids) - 16), 1)
-        kw = dict(rule=rule, draft_kv=draft_kv, num_draft_tokens=num_draft_tokens, options=_DENSE)
-        tokens, stats = speculate(model, ids, n, sampler, seed, draft_source, **kw)
-        costs = cost_models(model, len(ids) + len(tokens) // 2)
-        per_prompt[name] = projection(stats, costs)
-        for r in stats.round_log:
-            merged.record(r)
+    merged, per_prompt = run_prompts(
+        model,
+        prompts,
+        gen_tokens,
+        sampler,
+        seed,
+        draft_source,
+        num_draft_tokens,
+        rule=rule,
+        draft_kv=draft_kv,
+        options=_DENSE,
+    )
     rounds = len(merged.round_log)
     return {
         "draft_source": draft_source,
@@ -319,5 +322,5 @@ def adaptive_runs(
         "rounds": rounds,
         "target_steps": merged.target_steps,
         "sources": merged.sources,
-        "projected_speedup": per_prompt,
+        "projected_speedup": {name: p["projected_speedup"] for name, p in per_prompt.items()},
     }

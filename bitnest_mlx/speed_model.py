@@ -30,7 +30,6 @@ from .chips import family as chip_family
 from .chips import gpu
 from .kernels.dual_plane import MAX_M
 
-MAX_ROWS = 16  # the table's range; wider passes cost what its last point says
 PATHS = ("kernel", "pure")
 DEFAULT_CHIP = "M4 Max"  # the chip the projections and the seeded controller assume
 # The projections' path: the measured one. The kernel's counts are a bound no Mac has confirmed

@@ -13,7 +13,7 @@ v(M).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 
 import mlx.core as mx
@@ -106,6 +106,52 @@ def projection(stats: SpeculativeStats, costs: dict[str, dict[str, CostModel]]) 
     }
 
 
+def run_prompts(
+    model: nn.Module,
+    prompts: Mapping[str, Sequence[int]],
+    gen_tokens: int,
+    sampler: Sampler,
+    seed: int,
+    draft_source: str,
+    num_draft_tokens: int = 3,
+    ngram_tokens: int = 8,
+    done: Callable[[str, dict], None] | None = None,
+    **kwargs,
+) -> tuple[SpeculativeStats, dict]:
+    """`speculate` on each prompt: (every round pooled, {name: {prompt_tokens, generated,
+    tokens_per_round, projected_speedup (`projection` at the prompt's mean context), sources,
+    tokens}}); `done(name, entry)` after each (kwargs go to `speculate`)."""
+    merged, per_prompt = SpeculativeStats(), {}
+    for name, ids in prompts.items():
+        # A round may overrun the budget by a copy extended by a chain: keep it in the context.
+        room = model.args.max_position_embeddings - len(ids) - ngram_tokens - num_draft_tokens - 2
+        tokens, stats = speculate(
+            model,
+            ids,
+            max(min(gen_tokens, room), 1),
+            sampler,
+            seed,
+            draft_source,
+            num_draft_tokens=num_draft_tokens,
+            ngram_tokens=ngram_tokens,
+            **kwargs,
+        )
+        costs = cost_models(model, len(ids) + len(tokens) // 2)
+        per_prompt[name] = {
+            "prompt_tokens": len(ids),
+            "generated": len(tokens),
+            "tokens_per_round": len(tokens) / len(stats.round_log),
+            "projected_speedup": projection(stats, costs),
+            "sources": stats.sources,
+            "tokens": tokens,
+        }
+        for r in stats.round_log:
+            merged.record(r)
+        if done is not None:
+            done(name, per_prompt[name])
+    return merged, per_prompt
+
+
 def run_workloads(
     model: nn.Module,
     tokenizer,
@@ -123,37 +169,27 @@ def run_workloads(
     eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
     out: dict = {}
     for name in workloads:
-        prompts = [(p["name"], prompt_ids(tokenizer, p["messages"])) for p in load_workload(name)]
+        prompts = {p["name"]: prompt_ids(tokenizer, p["messages"]) for p in load_workload(name)}
         for temp in temps:
             sampler = Sampler(temp=temp, top_p=0.95 if temp else 0.0)
             for config in configs:
-                merged, per_prompt = SpeculativeStats(), {}
-                for prompt_name, ids in prompts:
-                    room = model.args.max_position_embeddings - len(ids) - ngram_tokens - 2
-                    tokens, stats = speculate(
-                        model,
-                        ids,
-                        max(min(gen_tokens, room), 1),
-                        sampler,
-                        seed,
-                        CONFIGS[config],
-                        num_draft_tokens=num_draft_tokens,
-                        ngram_tokens=ngram_tokens,
-                        eos_token_ids=eos,
-                    )
-                    costs = cost_models(model, len(ids) + len(tokens) // 2)
-                    per_prompt[prompt_name] = {
-                        "prompt_tokens": len(ids),
-                        "generated": len(tokens),
-                        "tokens_per_round": len(tokens) / len(stats.round_log),
-                        "projected_speedup": projection(stats, costs),
-                        "sources": stats.sources,
-                        "tokens": tokens,
-                    }
-                    for r in stats.round_log:
-                        merged.record(r)
+
+                def done(prompt: str, r: dict, label=f"{name} T={temp} {config}") -> None:
                     if progress is not None:
-                        progress(f"{name} T={temp} {config} {prompt_name}: {_line(per_prompt)}")
+                        progress(f"{label} {prompt}: {_line(r)}")
+
+                merged, per_prompt = run_prompts(
+                    model,
+                    prompts,
+                    gen_tokens,
+                    sampler,
+                    seed,
+                    CONFIGS[config],
+                    num_draft_tokens,
+                    ngram_tokens,
+                    done,
+                    eos_token_ids=eos,
+                )
                 out.setdefault(name, {}).setdefault(str(temp), {})[config] = _summary(
                     merged, per_prompt
                 )
@@ -170,10 +206,9 @@ def run_workloads(
     }
 
 
-def _line(per_prompt: dict) -> str:
-    last = list(per_prompt.values())[-1]
-    speed = last["projected_speedup"].get("M4 Max", {})
-    return f"{last['tokens_per_round']:.2f} tokens/round, " + ", ".join(
+def _line(r: dict) -> str:
+    speed = r["projected_speedup"].get("M4 Max", {})
+    return f"{r['tokens_per_round']:.2f} tokens/round, " + ", ".join(
         f"M4 Max {p} {s:.2f}x" for p, s in speed.items()
     )
 
