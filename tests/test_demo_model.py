@@ -114,10 +114,21 @@ def test_speculative_decoding_accepts_most_drafts_and_equals_target(demo):
     model, tokenizer = demo
     model.mode = "target"
     stats = bitnest_mlx.SpeculativeStats()
-    spec = greedy(model, tokenizer, "The", 48, num_draft_tokens=3, fallback=False, stats=stats)
+    spec = greedy(
+        model,
+        tokenizer,
+        "The",
+        48,
+        num_draft_tokens=3,
+        fallback=False,
+        stats=stats,
+        draft_source="model",
+    )
     assert spec == greedy(model, tokenizer, "The", 48, num_draft_tokens=0)
     # A random draft would be accepted with probability ~1/vocab; W4 of a trained model agrees
-    # with W8 on most greedy tokens.
+    # with W8 on most greedy tokens. Only the W4 chain drafts here: n-gram copies of the
+    # model's own text are a different source with its own acceptance.
+    assert set(stats.sources) == {"model"}
     assert stats.drafted > 0 and stats.acceptance_rate > 0.5
 
 
