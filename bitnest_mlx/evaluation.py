@@ -159,6 +159,7 @@ def evaluate(
     seed: int = 0,
     rule: str = "rejection",
     draft_source: str = "auto",
+    draft_vocab_join: bool = True,
 ) -> dict:
     """Scores of a bitnest model on the first `max_tokens` tokens of `text`, in `window`-token
     teacher-forced windows: perplexity and bits/byte of each mode; the draft/target greedy
@@ -168,7 +169,8 @@ def evaluate(
     the sampled speculative loop at each of `gammas` (`sampled_acceptance`, over `prompts`,
     default `builtin_prompts`; skipped when `gen_tokens` is 0); and the projected speedup on a
     bandwidth-bound GPU (`speed_model.speed_model`; from the i.i.d. formula alone, at the
-    windows' context, when `gen_tokens` is 0)."""
+    windows' context, when `gen_tokens` is 0). The adaptive runs (`adaptive_runs`) follow
+    `draft_source` and `draft_vocab_join` (speculative_generate_step's)."""
     # A prefix is enough (no token spans 16 characters) and avoids tokenizing a whole book.
     tokens = tokenizer.encode(text[: 16 * max_tokens], verbose=False)[:max_tokens]
     used_kv = resolve_draft_kv(draft_kv, model, min(window, len(tokens)))
@@ -282,7 +284,16 @@ def evaluate(
             **speed_model(roof["bytes_per_token"], result["sum_min_pq"], per_round),
         }
         result["speculative_sampling"]["adaptive"] = adaptive_runs(
-            model, prompts, gen_tokens, sampler, seed, rule, draft_kv, draft_source, max(gammas)
+            model,
+            prompts,
+            gen_tokens,
+            sampler,
+            seed,
+            rule,
+            draft_kv,
+            draft_source,
+            max(gammas),
+            draft_vocab_join,
         )
     result["verify_cost"] = verify_table()
     return result
@@ -298,6 +309,7 @@ def adaptive_runs(
     draft_kv: int | str,
     draft_source: str,
     num_draft_tokens: int,
+    draft_vocab_join: bool = True,
 ) -> dict:
     """The loop as users run it (adaptive plans from `draft_source`, fallback on, seeded) over
     `prompts`: tokens per round of all rounds (target-only steps count as 1-token rounds), the
@@ -313,10 +325,12 @@ def adaptive_runs(
         rule=rule,
         draft_kv=draft_kv,
         options=_DENSE,
+        draft_vocab_join=draft_vocab_join,
     )
     rounds = len(merged.round_log)
     return {
         "draft_source": draft_source,
+        "draft_vocab_join": draft_vocab_join,
         "num_draft_tokens": num_draft_tokens,
         "tokens_per_round": sum(r.tokens for r in merged.round_log) / max(rounds, 1),
         "rounds": rounds,

@@ -28,6 +28,7 @@ from mlx_lm.generate import GenerationResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .draft_control import DRAFT_SOURCES, DraftController, Plan
+from .layers.draft_vocab import DraftVocabJoin
 from .layers.options import RunOptions
 from .prompt_lookup import PromptLookup
 from .roofline import draft_kv_policy, weight_bytes
@@ -51,6 +52,7 @@ class SpeculativeStats:
     generation_tokens: int = 0
     generation_tps: float = 0.0
     fallback: bool = False  # the controller chose target-only because it was measured faster
+    draft_vocab_joined: int = 0  # lm_head rows the run-time join gathered (draft_vocab_join)
     # Per draft source ("model", "ngram", "ngram+model"): rounds, drafted, accepted.
     sources: dict[str, dict[str, int]] = field(default_factory=dict)
     round_log: list[Round] = field(default_factory=list, repr=False)  # every round, in order
@@ -211,6 +213,7 @@ def speculative_generate_step(
     ngram_tokens: int = 8,
     ngram_min: int = 2,
     cost_model: CostModel | None = None,
+    draft_vocab_join: bool = True,
 ) -> Generator[tuple[int, mx.array, bool], None, None]:
     """Yield (token, target log-probabilities [V], from_draft) like mlx-lm's generator.
 
@@ -234,6 +237,7 @@ def speculative_generate_step(
     model's draft / target bytes), not wall time. `rule`: "gumbel" (the Gumbel-max coupling:
     the output is the target-only sample for the seed, whatever is drafted; the default with a
     seed) or "rejection" (higher acceptance, output depends on the drafts; the default without).
+    `draft_vocab_join`: a reduced draft vocabulary also scores the context's ids (`DraftVocabJoin`).
     """
     rule = rule or ("rejection" if seed is None else "gumbel")
     if rule not in RULES:
@@ -257,6 +261,7 @@ def speculative_generate_step(
     vocab = model.args.vocab_size
     history = prompt
     kv_at, base = draft_kv_policy(draft_kv, model), options or model.options
+    join = DraftVocabJoin.for_model(model, prompt.tolist()) if draft_vocab_join else None
 
     # Prefill prompt[:-1] with the target; the last prompt token starts the first round.
     for i in range(0, prompt.size - 1, prefill_step_size):
@@ -282,7 +287,7 @@ def speculative_generate_step(
         g = None if noise is None else noise.gumbel(produced, gamma + 1, vocab)
         tic = time.perf_counter()
         # The last draft step reads P + γ positions; only the draft's KV read depends on it.
-        o = replace(base, draft_kv=kv_at(cache[0].offset + gamma))
+        o = replace(base, draft_kv=kv_at(cache[0].offset + gamma), draft_join=join)
         drafts, q = draft(
             model, cache, y, plan.steps, sampler, history, processors, o, g, plan.ngram
         )
@@ -319,6 +324,7 @@ def speculative_generate_step(
             yield t, logprobs[i], i < n
         produced += len(out)
         lookup.extend(out)
+        stats.draft_vocab_joined = join.add(out) if join is not None else 0
         y = mx.array(out[-1:], dtype=mx.uint32)
         if processors:
             history = mx.concatenate([history, drafts[:n], y])

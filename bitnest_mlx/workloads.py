@@ -143,6 +143,7 @@ def run_prompts(
             "tokens_per_round": len(tokens) / len(stats.round_log),
             "projected_speedup": projection(stats, costs),
             "sources": stats.sources,
+            "draft_vocab_joined": stats.draft_vocab_joined,  # lm_head rows the join gathered
             "tokens": tokens,
         }
         for r in stats.round_log:
@@ -163,6 +164,7 @@ def run_workloads(
     num_draft_tokens: int = 3,
     ngram_tokens: int = 8,
     progress: Callable[[str], None] | None = None,
+    draft_vocab_join: bool = True,
 ) -> dict:
     """Per workload, temperature and draft configuration: tokens per round, per-source stats
     and the projected speedup on `PROJECT_CHIPS` (both v(M) paths), over all its prompts."""
@@ -189,6 +191,7 @@ def run_workloads(
                     ngram_tokens,
                     done,
                     eos_token_ids=eos,
+                    draft_vocab_join=draft_vocab_join,
                 )
                 out.setdefault(name, {}).setdefault(str(temp), {})[config] = _summary(
                     merged, per_prompt
@@ -199,6 +202,7 @@ def run_workloads(
             "seed": seed,
             "num_draft_tokens": num_draft_tokens,
             "ngram_tokens": ngram_tokens,
+            "draft_vocab_join": draft_vocab_join,
             "controller_chip": DEFAULT_CHIP,
             "top_p": 0.95,
         },

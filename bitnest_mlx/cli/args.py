@@ -150,3 +150,16 @@ def add_draft_source(p: argparse.ArgumentParser) -> None:
         default=8,
         help="most tokens an n-gram copy drafts in a round (>= 1; default %(default)s)",
     )
+
+
+def add_draft_vocab_join(p: argparse.ArgumentParser) -> None:
+    """--draft-vocab-join, the same on every command that speculates (the server keeps the
+    API's default)."""
+    p.add_argument(
+        "--draft-vocab-join",
+        choices=("on", "off"),
+        default="on",
+        help="on: a package's reduced draft vocabulary also scores the token ids of the prompt "
+        "and of the text so far (their lm_head rows gathered once per generation; the output "
+        "is the same either way); default %(default)s",
+    )

@@ -36,6 +36,7 @@ from .args import (
     Parser,
     add_draft_kv,
     add_draft_source,
+    add_draft_vocab_join,
     add_verify,
     int_at_least,
     non_negative_float,
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=non_negative_int, default=0, help="random seed (>= 0)")
     add_draft_kv(p)
     add_draft_source(p)
+    add_draft_vocab_join(p)
     p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm peer baseline")
     p.add_argument(
         "--max-expert-memory",
@@ -229,6 +231,7 @@ def run(args: argparse.Namespace) -> dict:
                 draft_kv=args.draft_kv,
                 draft_source=args.draft_source,
                 ngram_tokens=args.ngram_tokens,
+                draft_vocab_join=args.draft_vocab_join == "on",
             )
 
         return steps
@@ -286,6 +289,7 @@ def run(args: argparse.Namespace) -> dict:
             "draft_kv": args.draft_kv,
             "draft_source": args.draft_source,
             "ngram_tokens": args.ngram_tokens,
+            "draft_vocab_join": args.draft_vocab_join,
         },
         "verify_cost": verify_table(),
         "prompt_tps": {k: v["tps"] for k, v in pp.items()},

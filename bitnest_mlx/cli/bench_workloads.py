@@ -88,6 +88,7 @@ def main(args: argparse.Namespace) -> int:
         args.num_draft_tokens,
         args.ngram_tokens,
         progress,
+        draft_vocab_join=args.draft_vocab_join == "on",
     )
     result = {"model": str(args.model), **result, "verify_cost": verify_table()}
     result["settings"]["dense_weights"] = args.dense_weights

@@ -16,6 +16,7 @@ from .args import (
     Parser,
     add_draft_kv,
     add_draft_source,
+    add_draft_vocab_join,
     add_verify,
     int_at_least,
     non_empty,
@@ -140,6 +141,7 @@ def build_parser() -> Parser:
     )
     add_draft_kv(p)
     add_draft_source(p)
+    add_draft_vocab_join(p)
     add_verify(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -182,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         rule=args.rule,
         draft_source=args.draft_source,
+        draft_vocab_join=args.draft_vocab_join == "on",
     )
     result = {"model": str(args.model), "text": str(args.text), "mode": args.mode, **result}
     if args.mode != "all":

@@ -22,6 +22,7 @@ from .args import (
     Parser,
     add_draft_kv,
     add_draft_source,
+    add_draft_vocab_join,
     add_verify,
     fraction,
     non_empty,
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_draft_kv(p)
     add_draft_source(p)
+    add_draft_vocab_join(p)
     p.add_argument("--ignore-chat-template", action="store_true", help="use the raw prompt")
     p.add_argument("--system-prompt", help="system message for the chat template")
     p.add_argument(
@@ -196,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             draft_kv=args.draft_kv,  # decided each round from the cache length
             draft_source=args.draft_source,
             ngram_tokens=args.ngram_tokens,
+            draft_vocab_join=args.draft_vocab_join == "on",
         )
     else:  # the draft reading, or a model without one (DeepSeek-V4): mlx-lm's loop, same noise
         if model.supports_draft:  # mlx-lm's loop: one KV reading, for the final context
@@ -231,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             num_draft_tokens=args.num_draft_tokens,
             mean_drafted=round(spec_stats.mean_drafted, 3),
             draft_vocab=draft_tokens(model),
+            draft_vocab_joined=spec_stats.draft_vocab_joined,
             draft_source=args.draft_source,
             sources=spec_stats.sources,
         )

@@ -7,11 +7,18 @@ its mass on the kept ids, and the target, which verifies over every row, still e
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .dual_plane import DualPlaneLinear
 from .options import RunOptions
+
+# The run-time join's row buffers grow by at least this many rows (and at least double), so a
+# generation gathers each new id's row once and copies its buffers O(log n) times.
+JOIN_CHUNK = 64
 
 
 class DraftVocabHead(nn.Module):
@@ -28,9 +35,14 @@ class DraftVocabHead(nn.Module):
     def __call__(self, x: mx.array, options: RunOptions) -> mx.array:
         if not options.draft:
             raise ValueError("DraftVocabHead: the reduced vocabulary is the draft's (W4) only")
-        y = self.rows(x, options)  # [..., K]
+        y, ids = self.rows(x, options), self.ids  # [..., K]
+        join = options.draft_join
+        if join is not None and join.size:
+            # The generation's joined ids: their rows of the same W4 lm_head, scored beside K.
+            y = mx.concatenate([y, join.rows(x, options)], axis=-1)
+            ids = join.ids
         full = mx.full((*y.shape[:-1], self.vocab_size), -mx.inf, dtype=y.dtype)
-        index = mx.broadcast_to(self.ids, y.shape)
+        index = mx.broadcast_to(ids, y.shape)
         return mx.put_along_axis(full, index, y, axis=-1)
 
     @staticmethod
@@ -61,6 +73,82 @@ class DraftVocabHead(nn.Module):
         head.rows.biases = lm_head.biases[head.ids]
         mx.eval(head.parameters())
         return head
+
+
+class DraftVocabJoin:
+    """The token ids of one generation's context (prompt and text so far) that the package's
+    draft vocabulary leaves out, joined to it for that generation: their hi-plane rows (and
+    scales, biases; dense rows under `keep_dense`) gathered from the lm_head the target reads
+    anyway, each once, into buffers grown by chunks.
+
+    A drafted token is only proposed; the target verifies every one, so joining ids changes the
+    draft's distribution, never the output. One object belongs to one generation and reaches the
+    head through that generation's `RunOptions.draft_join`: state per request, nothing set on the
+    model, so nothing carries over to the next generation.
+    """
+
+    def __init__(self, model: nn.Module, tokens: Iterable[int] = ()):
+        head, lm_head = model.draft_head, model.lm_head
+        self._lm_head, self._kept = lm_head, head.ids
+        self._seen = np.zeros(head.vocab_size, dtype=bool)  # kept or joined: nothing to gather
+        self._seen[np.array(head.ids)] = True
+        self._joined: list[int] = []
+        self._buffers: dict[str, mx.array] = {}  # capacity rows of each gathered array
+        self.ids = head.ids  # kept ids, then the joined ones: where the head scatters
+        self.rows: DualPlaneLinear | None = None  # the joined rows, a view of the buffers
+        self.add(tokens)
+
+    @classmethod
+    def for_model(cls, model: nn.Module, tokens: Iterable[int] = ()) -> DraftVocabJoin | None:
+        """A join for a model whose draft has a reduced vocabulary, else None (nothing left out)."""
+        return cls(model, tokens) if getattr(model, "draft_head", None) is not None else None
+
+    @property
+    def size(self) -> int:
+        """How many rows were joined (gathered) so far."""
+        return len(self._joined)
+
+    def add(self, tokens: Iterable[int]) -> int:
+        """Join the ids of `tokens` the draft cannot score yet; returns `size`."""
+        t = np.unique(np.fromiter(tokens, dtype=np.int64))
+        t = t[(t >= 0) & (t < self._seen.size)]
+        new = t[~self._seen[t]]
+        if new.size:
+            self._seen[new] = True
+            self._gather(new)
+        return self.size
+
+    def _gather(self, new: np.ndarray) -> None:
+        n, lm = self.size, self._lm_head
+        need = n + new.size
+        rows = mx.array(new.astype(np.int32))
+        sources = {"hi": lm.hi, "scales": lm.scales, "biases": lm.biases}
+        dense = getattr(lm, "kept_dense", None)
+        if dense is not None:
+            sources["dense"] = dense[True]
+        cap = next(iter(self._buffers.values())).shape[0] if self._buffers else 0
+        if need > cap:  # grow: copy the n rows held, never re-gather them
+            cap = max(2 * cap, -(-need // JOIN_CHUNK) * JOIN_CHUNK)
+            for name, src in sources.items():
+                old = self._buffers.get(name, src[:0])[:n]
+                pad = mx.zeros((cap - n, *src.shape[1:]), dtype=src.dtype)
+                self._buffers[name] = mx.concatenate([old, pad])
+        for name, src in sources.items():
+            self._buffers[name][n:need] = src[rows]
+        self._joined.extend(new.tolist())
+        self.ids = mx.concatenate([self._kept, mx.array(self._joined, dtype=mx.int32)])
+        self.rows = self._view(need)
+        mx.eval(self.ids, *self._buffers.values())
+
+    def _view(self, n: int) -> DualPlaneLinear:
+        """A Linear over the first n buffered rows (slices: no copy); lo = hi, never read."""
+        b, lm = self._buffers, self._lm_head
+        rows = DualPlaneLinear(lm.hi.shape[1] * 8, n, group_size=lm.group_size)
+        rows.hi = rows.lo = b["hi"][:n]
+        rows.scales, rows.biases = b["scales"][:n], b["biases"][:n]
+        if "dense" in b:  # `keep_dense` models multiply floats; the draft reads only W4
+            object.__setattr__(rows, "kept_dense", {True: b["dense"][:n]})
+        return rows
 
 
 def restrict_logits(logits: mx.array, ids: mx.array) -> mx.array:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 MODES = ("draft", "target")
 DRAFT_KV = (4, 8)  # the KV planes a draft call reads: KV4 (hi plane) or KV8 (both)
@@ -30,6 +31,10 @@ class RunOptions:
     draft_vocab: a draft call scores only the package's reduced draft vocabulary when it has one
     (§2.9, -inf elsewhere); False scores every row of the W4 lm_head (the W4 model itself, e.g.
     for its perplexity, which a reduced vocabulary leaves undefined).
+    draft_join: a `draft_vocab.DraftVocabJoin` (or None): the ids of one generation's context
+    that the reduced draft vocabulary also scores. It lives in the options because they are
+    what one generation passes down its calls; it holds that generation's state (it grows as the
+    text does), so only the generation that made it refers to it and the model keeps no switch.
     """
 
     mode: str = "target"
@@ -39,6 +44,7 @@ class RunOptions:
     use_kernels: bool = True
     draft_kv: int = 4
     draft_vocab: bool = True
+    draft_join: Any = None  # DraftVocabJoin; typed loosely: that module imports this one
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
