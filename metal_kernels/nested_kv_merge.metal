@@ -20,5 +20,6 @@ for (int s = 0; s < n_splits; s++) {
   for (int e = 0; e < E; e++)
     out[e] += o_part[at * D + d0 + e] * w;
 }
+const float inv = 1.0f / total;  // one exact division per lane, not E
 for (int e = 0; e < E; e++)
-  o[row * D + d0 + e] = T(out[e] / total);
+  o[row * D + d0 + e] = T(out[e] * inv);

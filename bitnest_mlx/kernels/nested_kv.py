@@ -15,7 +15,12 @@ from .dual_plane import MAX_M
 from .launch import KernelSpec, Launch, Runner, run
 
 KV_NSG = 4  # simdgroups per threadgroup in pass 1
-KV_MAX_ROWS = 1024  # QN · D floats of q staged in threadgroup memory (4 KB)
+# Apple GPUs give a threadgroup at most 32 KB of threadgroup memory; pass 1's arrays
+# (`kv_threadgroup_bytes`) must fit it at every geometry the launch allows.
+KV_TG_BYTES = 32 * 1024
+# Query rows per threadgroup at most, for registers: each row keeps D/32 output dims, its
+# running max and sum, its score and partial dot in every lane (about 110 at 16 rows, D = 64).
+KV_MAX_QN = 16
 # Pass 1 aims at this many threadgroups: about three per GPU core on a 40-core Max, so every
 # core has work while one waits on memory. Fewer when the keys run out (below).
 KV_TARGET_THREADGROUPS = 128
@@ -35,8 +40,7 @@ NESTED_KV = KernelSpec(
         "v_hi",
         "v_lo",
         "v_scales",
-        "n_q_heads",
-        "n_kv_heads",
+        "rows",
         "L",
         "n_kv",
         "t_cap",
@@ -69,6 +73,22 @@ class KVGeometry:
     threadgroups: int
 
 
+def kv_threadgroup_bytes(qn: int, head_dim: int, nsg: int = KV_NSG) -> int:
+    """Pass 1's threadgroup memory (nested_kv_attention.metal), float32: the simdgroups'
+    outputs [nsg, qn, D] (q [qn, D] in the first during the key loop), the block's
+    probabilities [nsg, qn, 32], and each simdgroup's max and sum per row."""
+    return 4 * nsg * qn * (head_dim + 32 + 2)
+
+
+def kv_max_rows(head_dim: int) -> int:
+    """The most query rows one threadgroup takes at this head_dim (threadgroup memory and
+    registers): 12 at 128, 16 at 64, 7 at 256."""
+    qn = KV_MAX_QN
+    while kv_threadgroup_bytes(qn, head_dim) > KV_TG_BYTES:
+        qn -= 1
+    return qn
+
+
 def kv_geometry(
     batch: int,
     q_heads: int,
@@ -80,10 +100,17 @@ def kv_geometry(
 ) -> KVGeometry:
     """The split of the keys for one call; `splits` forces a count (tests: 1, several, ragged).
 
-    Split lengths are whole 32-key blocks, so the last split is the ragged one."""
+    A kv head's rows (GQA heads × L) go to as few chunks as `kv_max_rows` allows, of equal size
+    (but the last), since each chunk reads and decodes every key and value again. Split
+    lengths are whole 32-key blocks, so the last split is the ragged one."""
     rows = (q_heads // kv_heads) * L
-    qn = min(rows, MAX_M, KV_MAX_ROWS // head_dim)
-    chunks = _ceil(rows, qn)
+    chunks = _ceil(rows, kv_max_rows(head_dim))
+    qn = _ceil(rows, chunks)
+    if kv_threadgroup_bytes(qn, head_dim) > KV_TG_BYTES:
+        raise ValueError(
+            f"nested-KV pass 1 at {qn} rows, head_dim {head_dim} needs "
+            f"{kv_threadgroup_bytes(qn, head_dim)} bytes of threadgroup memory (> {KV_TG_BYTES})"
+        )
     base = batch * kv_heads * chunks
     if splits is None:
         splits = max(1, min(_ceil(KV_TARGET_THREADGROUPS, base), _ceil(n_kv, KV_MIN_SPLIT)))
@@ -132,14 +159,14 @@ def nested_kv_attention(
     geo = kv_geometry(B, Hq, Hkv, L, D, n_kv, splits)
     dtype = q.dtype if q.dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float32
     rows = B * Hq * L
-    scalars = [Hq, Hkv, L, n_kv, t_cap, scale, geo.split_len, geo.splits]
+    scalars = [Hq // Hkv * L, L, n_kv, t_cap, scale, geo.split_len, geo.splits]
     o_part, m_part, l_part = run(
         Launch(
             NESTED_KV,
             [q.astype(dtype), k_hi, k_lo, k_s, v_hi, v_lo, v_s, *scalars],
             [("T", dtype), ("D", D), ("G", group), ("QN", geo.qn), ("NSG", KV_NSG)]
             + [("TARGET", not draft)],
-            grid=(32 * geo.splits, KV_NSG, B * Hkv * geo.chunks),
+            grid=(32 * geo.splits, KV_NSG * geo.chunks, B * Hkv),
             threadgroup=(32, KV_NSG, 1),
             output_shapes=[(rows, geo.splits, D), (rows, geo.splits), (rows, geo.splits)],
             output_dtypes=[mx.float32] * 3,
