@@ -11,8 +11,9 @@ import tools
 from metal_emu.emulator import InlineSpec
 
 from bitnest_mlx import chips, kernels
-from bitnest_mlx.cli import bench
+from bitnest_mlx.cli import bench, kernel_costs
 from bitnest_mlx.kernels.emulator import counting, emulate, profile
+from bitnest_mlx.speed_model import KV8_CYCLES
 
 needs_compilers = tools.needs(emulate.CXX, counting.CLANG, why="operation counts build with both")
 
@@ -122,3 +123,25 @@ def test_bench_kernels_says_which_compiler_is_missing(monkeypatch, capsys):
     monkeypatch.setattr(counting, "CLANG", "no-such-clang++")
     assert bench.main(["--kernels"]) == 2
     assert "no-such-clang++ not found" in capsys.readouterr().out
+
+
+@needs_compilers
+def test_nested_kv_verification_reads_each_element_once_without_conversions():
+    """GQA 3 at L = 4 (12 rows, one chunk): per K/V element·token about 3 FMAs (one per row of
+    the token's 3 heads, for QK or PV), no int->float conversion (codes decoded through the
+    mantissa of 2^23), and the KV8 read within 0.6 of M4 Max's bandwidth roofline (issue 40)."""
+    case = next(c for c in profile.nested_kv_cases(ls=(4,)) if c.name == "KV8 L=4")
+    r = profile.measure(case)
+    p = r["per_unit"]
+    assert p["convert"] == p["round"] == 0
+    assert 3 <= p["fma"] <= 3.2
+    assert kernel_costs.estimate(r)["chips"]["M4 Max"]["roofline"] >= 0.6
+
+
+@needs_compilers
+def test_speed_model_kv8_cycles_are_the_kernels_counts():
+    """speed_model.KV8_CYCLES is the nested-KV kernel's KV8 read at each L, counted as
+    `bench --kernels` counts its nested-KV cases: a kernel change must update the table."""
+    cases = profile.nested_kv_cases(ls=tuple(KV8_CYCLES))
+    got = {int(c.name[6:]): profile.measure(c)["cycles"] for c in cases if c.name[:3] == "KV8"}
+    assert got == pytest.approx(KV8_CYCLES, abs=1e-3)

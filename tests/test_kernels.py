@@ -24,6 +24,7 @@ from metal_emu.emulator import InlineSpec
 import bitnest_mlx
 from bitnest_mlx import kernels
 from bitnest_mlx.formats.bitnest import a8_codes
+from bitnest_mlx.kernels import nested_kv as kv_launch
 from bitnest_mlx.layers import dual_plane, mxtq_linear, nested_kv
 from bitnest_mlx.layers.dsv4_ops import swiglu_clamped
 from bitnest_mlx.layers.dual_plane import DualPlaneLinear
@@ -192,7 +193,14 @@ NESTED_KV = {
     "decode_kv4_gqa2_d128": (1, 4, 2, 1, 128, 37, 40, 128, True),
     "verify4_kv8_gqa3_d64": (2, 6, 2, 4, 64, 19, 25, 64, False),
     "prefill_all_keys_kv8": (1, 2, 1, 8, 128, 8, 8, 128, False),
-    "rows_over_chunk_kv8_g32": (1, 12, 1, 1, 64, 11, 16, 32, False),
+    # 18 rows over the 16 a threadgroup takes at head_dim 64: two chunks of 9.
+    "rows_over_chunk_kv8_g32": (1, 18, 1, 1, 64, 11, 16, 32, False),
+    # GQA 3 at L = 4: all 12 rows in one chunk (head_dim 128's most), KV4, 2 splits.
+    "verify4_kv4_gqa3_d128_one_chunk": (1, 6, 2, 4, 128, 150, 160, 64, True, F32, 2),
+    # GQA 3 at L = 5: 15 rows, chunks of 8 and 7 (the second starts at query 3 of its head).
+    "verify5_kv8_gqa3_d128_ragged_chunk": (1, 3, 1, 5, 128, 70, 80, 64, False, F32, 2),
+    # L = 8 at head_dim 256 (7 rows a threadgroup at most): two chunks of 4.
+    "verify8_kv8_d256_two_chunks": (1, 1, 1, 8, 256, 40, 48, 128, False),
     "decode_kv8_fp16_d256": (1, 2, 1, 1, 256, 9, 12, 128, False, mx.float16),
     # 3 splits of 96 keys, the last one ragged (8 keys); KV4 at group 32.
     "decode_kv4_d128_g32_3_splits": (1, 6, 2, 1, 128, 200, 256, 32, True, F32, 3),
@@ -287,10 +295,37 @@ def test_nested_kv_matches_pure_path_at_every_split_count(L, d, group, draft):
 
 
 @needs_cxx
+def test_emulator_test_fails_when_a_ragged_chunk_loses_its_rows_query_index():
+    """The second chunk of 15 rows at L = 5 starts at query 3 of its head: counted from 0 its
+    causal limits are wrong."""
+    call, want, rel = build("nested_kv", "verify5_kv8_gqa3_d128_ragged_chunk")
+    got = call(emulator.run, mutate=lambda src: src.replace("int qi = j0 % L;", "int qi = 0;"))
+    assert not close(got, want, rel)
+
+
+@needs_cxx
 def test_emulator_test_fails_when_the_split_merge_forgets_a_splits_weight():
     call, want, rel = build("nested_kv", "verify4_kv8_d128_g64_5_splits")
     got = call(emulator.run, mutate=lambda src: src.replace("l_part[at] * w;", "l_part[at];"))
     assert not close(got, want, rel)
+
+
+def test_nested_kv_geometry_fits_threadgroup_memory_with_the_fewest_chunks(monkeypatch):
+    """Every supported head_dim, GQA 1-8 and L 1-8: pass 1's threadgroup memory stays within
+    Apple's 32 KB, rows go to the fewest chunks the limit allows, of equal size but the last;
+    Llama-3.2-3B's verification (GQA 3, L = 4) reads each key once for its 12 rows."""
+    for d in (64, 128, 256):
+        for rep in range(1, 9):
+            for L in range(1, 9):
+                geo = kernels.kv_geometry(1, 2 * rep, 2, L, d, 4096)
+                rows = rep * L
+                assert kv_launch.kv_threadgroup_bytes(geo.qn, d) <= kv_launch.KV_TG_BYTES
+                assert geo.chunks == -(-rows // kv_launch.kv_max_rows(d))
+                assert geo.qn * (geo.chunks - 1) < rows <= geo.qn * geo.chunks
+    assert kernels.kv_geometry(1, 24, 8, 4, 128, 4096).chunks == 1
+    monkeypatch.setattr(kv_launch, "kv_max_rows", lambda d: 32)
+    with pytest.raises(ValueError, match="threadgroup memory"):
+        kernels.kv_geometry(1, 24, 8, 8, 128, 4096)
 
 
 @pytest.mark.parametrize("L", [1, 4])

@@ -104,8 +104,11 @@ def dual_plane_cases(n: int = 64, k: int = 3072, group: int = 128) -> list[Case]
     return out
 
 
-def nested_kv_cases(n_kv: int = 512, d: int = 128, group: int = 64) -> list[Case]:
-    """GQA 3 (Llama-3.2-3B's 24 / 8 heads), two kv heads, decode (L = 1) and L = 4."""
+def nested_kv_cases(
+    n_kv: int = 512, d: int = 128, group: int = 64, ls: tuple[int, ...] = (1, 4)
+) -> list[Case]:
+    """GQA 3 (Llama-3.2-3B's 24 / 8 heads), two kv heads, decode (L = 1) and L = 4 (`ls`: the
+    query tokens; speed_model.KV8_CYCLES counts L = 1 .. 8 this way)."""
     hkv, hq = 2, 6
     keys = mx.random.split(mx.random.key(5), 5)
     words, groups = (1, hkv, n_kv, d // 8), (1, hkv, n_kv, d // group)
@@ -113,7 +116,7 @@ def nested_kv_cases(n_kv: int = 512, d: int = 128, group: int = 64) -> list[Case
     vp = tuple(mx.random.randint(0, 2**31, words, key=keys[i]).astype(mx.uint32) for i in (2, 3))
     ks = mx.random.uniform(0.05, 0.2, groups, key=keys[4])
     out = []
-    for L in (1, 4):
+    for L in ls:
         q = mx.random.normal((1, hq, L, d), key=mx.random.key(L)).astype(mx.float16)
         for draft in (True, False):
             elements = 2 * hkv * n_kv * d
