@@ -66,11 +66,12 @@ setup(
         "sentencepiece",
         "tokenizers",
         "threadpoolctl",  # the converter's BLAS threads while its workers sweep
+        "tqdm",  # progress bars (eval, generate --json); huggingface-hub's own dependency
     ],
     entry_points={
         "console_scripts": [
-            f"bitnest-{name}=bitnest_mlx.cli.{name}:main"
-            for name in ("generate", "convert", "eval", "bench", "server", "verify", "doctor")
+            f"bitnest-{name}=bitnest_mlx.cli.entry:{name}"
+            for name in ("generate", "chat", "convert", "eval", "bench", "server", "verify", "doctor")
         ]
     },
     extras_require={

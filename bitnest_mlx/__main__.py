@@ -1,16 +1,8 @@
-"""`python -m bitnest_mlx`: the list of commands."""
+"""`python -m bitnest_mlx CMD ARGS...` runs a command; alone, it lists them."""
 
 import sys
 
-from .cli import COMMANDS
-
-
-def main() -> int:
-    print("bitnest-mlx commands (python -m bitnest_mlx.<name> or bitnest-<name>; --help on each):")
-    for name, what in COMMANDS.items():
-        print(f"  {name:<9} {what}")
-    return 0
-
+from .cli.entry import dispatch
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(dispatch(sys.argv[1:]))

@@ -2,7 +2,7 @@
 
 import sys
 
-from .cli.doctor import main
+from .cli.entry import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run("doctor"))

@@ -11,6 +11,6 @@ if __name__ != "__main__":
         "bitnest_mlx.generate is the API function; the CLI module is bitnest_mlx.cli.generate"
     )
 
-from bitnest_mlx.cli.generate import main  # noqa: E402
+from bitnest_mlx.cli.entry import run  # noqa: E402
 
-sys.exit(main())
+sys.exit(run("generate"))

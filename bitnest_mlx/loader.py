@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from .demo import resolve_model
 from .formats import bitnest, detect, dsv4_bundle, safetensors_io
 from .hub import HubError, resolve
 from .layers.options import RunOptions, at_load
@@ -254,8 +255,8 @@ def load(
     max_expert_memory: float | None = None,
     verify: bool = False,
 ) -> tuple[nn.Module, object]:
-    """Load a bitnest package or a DeepSeek-V4 MXTQ bundle (local directory or Hub
-    `org/repo[@revision]`).
+    """Load a bitnest package or a DeepSeek-V4 MXTQ bundle (local directory, Hub
+    `org/repo[@revision]`, or "demo": the demo package shipped with bitnest_mlx).
 
     Returns (model, tokenizer): an mlx-lm style model and mlx-lm's TokenizerWrapper (None when
     the directory has no tokenizer files). Models with `supports_draft` (bitnest packages) get
@@ -275,7 +276,7 @@ def load(
     first that differs (`verify_path`); without it no tensor data is read to load (a Hub download
     verifies the files it has just fetched either way).
     """
-    path = resolve(path_or_repo)
+    path = resolve(resolve_model(path_or_repo))
     fmt = model_format(path)
     if verify:
         verify_path(path)

@@ -40,6 +40,14 @@ from mlx_lm.models import llama
 LICENSES = Path("/usr/share/common-licenses")
 HELD_OUT = "Artistic"  # never trained on: docs/eval.md's perplexity text
 EOS = "<|endoftext|>"
+# The demo never saw a conversation: its chat template joins the turns (system, user, assistant)
+# as paragraphs of text, the form of its training corpus, so a reply continues the text in the
+# licenses' style. It exists so that chat, the server's chat endpoint and --system-prompt behave.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ message['content'] }}{{ '\\n\\n' }}"
+    "{%- endfor -%}"
+)
 SHIPPED = Path(__file__).resolve().parents[1] / "bitnest_mlx" / "demo_model"
 
 # Every width the converter needs: K of each Linear a multiple of 128 (the weight group),
@@ -84,6 +92,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, out: Path) -> None:
     tok.save(str(out / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS}
     config["model_max_length"] = CONFIG["max_position_embeddings"]
+    config["chat_template"] = CHAT_TEMPLATE
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

@@ -28,6 +28,7 @@ RANKS = {
     "speed_model": 4,  # v(M) and what a round of speculation costs
     "prompt_lookup": 4,  # n-gram drafts from the context
     "draft_control": 4,  # each round's plan: chain, copy, copy + chain, target-only
+    "draftless": 4,  # models with no draft plane (DeepSeek-V4) in the speculative loop
     "workloads": 4,  # bench --workloads' prompts and runs
     "loader": 4,
     "dsv4": 4,
@@ -37,6 +38,7 @@ RANKS = {
     "mlx_lm_speculation": 5,  # mlx-lm's speculative contract, for the plugin
     "cli": 5,
     "generate": 5,
+    "chat": 5,
     "eval": 5,
     "bench": 5,
     "server": 5,

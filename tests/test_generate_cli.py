@@ -6,6 +6,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import mlx.core as mx
 import pytest
 
 from bitnest_mlx.cli import generate
@@ -47,7 +48,7 @@ def test_demo_generates_json_in_every_mode(run_cli, mode):
     assert out["stats"]["generation_tps"] > 0
 
 
-def test_demo_streams_text_and_prints_stats_as_a_python_m_process():
+def test_demo_streams_text_and_prints_stats_and_the_hardware_mode_as_a_python_m_process():
     r = subprocess.run(
         [sys.executable, "-m", "bitnest_mlx.generate", "--prompt", "The river"]
         + ["--max-tokens", "8", "--temp", "0"],
@@ -58,13 +59,17 @@ def test_demo_streams_text_and_prints_stats_as_a_python_m_process():
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
     assert "generation:" in r.stderr and "tok/s" in r.stderr
-    assert "[speculative] acceptance:" in r.stderr  # speculative is the default mode
+    # The default mode follows the device: speculative on a GPU, target-only on a CPU.
+    on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    assert ("[speculative] acceptance:" in r.stderr) == on_gpu, r.stderr
+    assert ("[mode] target-only: on a CPU device" in r.stderr) == (not on_gpu), r.stderr
 
 
 def test_speculative_json_stats_and_greedy_parity_with_target_mode(run_cli):
     common = ("--prompt", "The river", "--max-tokens", "24", "--temp", "0", "--json")
     target = json.loads(run_cli(*common, "--mode", "target").stdout)
-    spec = json.loads(run_cli(*common, "--no-fallback", "--num-draft-tokens", "2").stdout)
+    forced = ("--mode", "speculative", "--no-fallback", "--num-draft-tokens", "2")
+    spec = json.loads(run_cli(*common, *forced).stdout)
     assert spec["mode"] == "speculative"
     assert spec["tokens"] == target["tokens"]
     stats = spec["stats"]
@@ -72,7 +77,7 @@ def test_speculative_json_stats_and_greedy_parity_with_target_mode(run_cli):
         assert stats[key] > 0, key
     assert stats["fallback"] is False and stats["mean_drafted"] >= 1
     # --num-draft-tokens 0: target-only decoding through the same loop, no fallback involved.
-    zero = json.loads(run_cli(*common, "--num-draft-tokens", "0").stdout)
+    zero = json.loads(run_cli(*common, "--mode", "speculative", "--num-draft-tokens", "0").stdout)
     assert zero["tokens"] == target["tokens"]
     assert zero["stats"]["acceptance_rate"] == 0 and zero["stats"]["draft_s"] == 0
     assert zero["stats"]["fallback"] is False

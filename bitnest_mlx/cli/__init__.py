@@ -3,6 +3,7 @@ and the console scripts `bitnest-<name>` both run it."""
 
 COMMANDS = {
     "generate": "stream text from a package or bundle (default: the offline demo package)",
+    "chat": "a multi-turn chat on the model's chat template (/reset, /exit)",
     "convert": "HF safetensors or GGUF (Llama, Qwen2) -> bitnest package",
     "eval": "perplexity, bits/byte and draft/target agreement on a text file",
     "bench": "draft, target and speculative tok/s beside mlx-lm on the same backend",

@@ -163,3 +163,81 @@ def add_draft_vocab_join(p: argparse.ArgumentParser) -> None:
         "and of the text so far (their lm_head rows gathered once per generation; the output "
         "is the same either way); default %(default)s",
     )
+
+
+MODES = ("speculative", "target", "draft")
+
+
+def add_mode(p: argparse.ArgumentParser) -> None:
+    """--mode, the same on every command that decodes; its default follows the hardware."""
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default=None,
+        help="speculative = the W4 draft (or an n-gram copy) proposes, the W8 target verifies, "
+        "lossless; target = W8 weights + KV8 reads; draft = W4 weights, KV per --draft-kv "
+        "(default: speculative on a GPU; target on a CPU device, where verification is "
+        "compute-bound and speculation cannot pay)",
+    )
+
+
+def default_mode(chosen: str | None, speculates: bool, device: object = None) -> tuple[str, str]:
+    """The mode to run and why, when it was not chosen: speculation pays only where a target
+    pass over several rows costs about one row's time, a bandwidth-bound GPU
+    (docs/speculative.md, "When it pays"). A model that cannot speculate runs its target.
+
+    Returns (mode, note); the note is empty when the user chose or nothing needs saying."""
+    if chosen is not None:
+        return chosen, ""
+    if not speculates:
+        return "target", ""
+    import mlx.core as mx
+
+    device = device or mx.default_device()
+    if device.type == mx.DeviceType.gpu:
+        return "speculative", ""
+    return "target", (
+        f"[mode] target-only: on a CPU device ({device}) verifying a draft costs about as much "
+        "as generating it, so speculation cannot pay; --mode speculative forces it"
+    )
+
+
+def str_to_bool(text: str) -> bool:
+    """true/false (as mlx-lm's `str2bool`: t, true, 1, yes / f, false, 0, no; any case)."""
+    low = text.lower()
+    if low in ("t", "true", "1", "yes", "y"):
+        return True
+    if low in ("f", "false", "0", "no", "n"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+str_to_bool.__name__ = "bool"
+
+
+def json_object(text: str) -> dict:
+    """A JSON object, e.g. '{"enable_thinking": false}'."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+json_object.__name__ = "JSON"
+
+
+def add_chat_template_config(p: argparse.ArgumentParser) -> None:
+    """--chat-template-config, as mlx-lm's: more arguments for the chat template."""
+    p.add_argument(
+        "--chat-template-config",
+        type=json_object,
+        default={},
+        metavar="JSON",
+        help='a JSON object of extra chat-template arguments, e.g. \'{"enable_thinking": '
+        "false}' (as mlx_lm.generate; default: none)",
+    )

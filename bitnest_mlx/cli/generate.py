@@ -10,9 +10,11 @@ from dataclasses import replace
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
+from tqdm import tqdm
 
 from .. import speculative
 from ..demo import DEMO, resolve_model
+from ..draftless import NoDraftError, draft_source_for
 from ..layers.draft_vocab import draft_tokens
 from ..loader import LOAD_ERRORS, load
 from ..roofline import resolve_draft_kv
@@ -20,19 +22,21 @@ from ..sampling import SeededSampler
 from ..sampling import make_sampler as bitnest_make_sampler
 from .args import (
     Parser,
+    add_chat_template_config,
     add_draft_kv,
     add_draft_source,
     add_draft_vocab_join,
+    add_mode,
     add_verify,
+    default_mode,
     fraction,
     non_empty,
     non_negative_float,
     non_negative_int,
     positive_int,
     probability,
+    str_to_bool,
 )
-
-MODES = ("speculative", "target", "draft")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-p",
         type=non_empty,
         default="Hello",
-        help="prompt text, not empty (default: %(default)r)",
+        help="prompt text, not empty; '-' reads it from stdin (default: %(default)r)",
     )
     p.add_argument(
         "--max-tokens",
@@ -84,13 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seed", type=non_negative_int, default=0, help="random seed, >= 0 (default: %(default)s)"
     )
-    p.add_argument(
-        "--mode",
-        choices=MODES,
-        default="speculative",
-        help="speculative = W4 draft proposes, W8 target verifies, lossless (default); "
-        "target = W8 weights + KV8 reads; draft = W4 weights, KV per --draft-kv",
-    )
+    add_mode(p)
     p.add_argument(
         "--num-draft-tokens",
         type=non_negative_int,
@@ -107,7 +105,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_draft_source(p)
     add_draft_vocab_join(p)
     p.add_argument("--ignore-chat-template", action="store_true", help="use the raw prompt")
-    p.add_argument("--system-prompt", help="system message for the chat template")
+    p.add_argument("--system-prompt", help="system message for the chat template (default: none)")
+    add_chat_template_config(p)
+    p.add_argument(
+        "--extra-eos-token",
+        nargs="+",
+        default=[],
+        metavar="TOKEN",
+        help="more tokens that end generation, beside the tokenizer's end-of-sequence "
+        "(as mlx_lm.generate; default: none)",
+    )
+    p.add_argument(
+        "--verbose",
+        type=str_to_bool,
+        default=True,
+        metavar="{true,false}",
+        help="false prints the generated text only: no notes or statistics on stderr "
+        "(as mlx_lm.generate; default %(default)s)",
+    )
     p.add_argument(
         "--json", action="store_true", help="print one JSON object (text, tokens, mode, stats)"
     )
@@ -130,11 +145,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def encode_prompt(tokenizer, prompt: str, args: argparse.Namespace) -> list[int]:
     if args.ignore_chat_template or not getattr(tokenizer, "has_chat_template", False):
+        if args.system_prompt:
+            print(
+                "[generate] --system-prompt is not used: "
+                + (
+                    "--ignore-chat-template is set"
+                    if args.ignore_chat_template
+                    else "the model has no chat template"
+                ),
+                file=sys.stderr,
+            )
         return tokenizer.encode(prompt)
     messages = [{"role": "user", "content": prompt}]
     if args.system_prompt:
         messages.insert(0, {"role": "system", "content": args.system_prompt})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, **args.chat_template_config
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     # Every rank computes the same logits and tokens; rank 0 speaks for the group.
     group = mx.distributed.init() if args.pipeline else None
     show = group is None or group.rank() == 0
+    notes = show and args.verbose  # --verbose false: the text only
     try:
         tic = time.perf_counter()
         mode = "draft" if args.mode == "draft" else "target"
@@ -162,16 +190,31 @@ def main(argv: list[str] | None = None) -> int:
     if tokenizer is None:
         print(f"error: {model_path} has no tokenizer files (tokenizer.json, ...)", file=sys.stderr)
         return 2
+    for token in args.extra_eos_token:
+        tokenizer.add_eos_token(token)
     if not model.supports_draft:
-        # One precision only (DeepSeek-V4 bundles): no draft plane to speculate with.
+        # One precision only (DeepSeek-V4 bundles): no draft plane, so n-gram copies only.
         if args.mode == "draft":
             print(
                 f"error: {model_path} has no draft plane (--mode draft needs a bitnest package)",
                 file=sys.stderr,
             )
             return 2
-        args.mode = "target"
-    prompt = encode_prompt(tokenizer, args.prompt, args)
+        try:
+            draft_source_for(args.draft_source, str(model_path))
+        except NoDraftError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if args.draft_source == "none" or args.num_draft_tokens == 0:
+            args.mode = "target"
+    args.mode, note = default_mode(args.mode, speculates=True)
+    if note and notes:
+        print(note, file=sys.stderr)
+    prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt_text:
+        print("error: the prompt read from stdin is empty", file=sys.stderr)
+        return 2
+    prompt = encode_prompt(tokenizer, prompt_text, args)
     context = model.args.max_position_embeddings
     if len(prompt) >= context:
         print(
@@ -180,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     max_tokens = min(args.max_tokens, context - len(prompt))
+    if max_tokens < args.max_tokens and notes:
+        print(
+            f"[generate] --max-tokens {args.max_tokens} capped at {max_tokens}: the prompt's "
+            f"{len(prompt)} tokens leave that much of the model's {context}-token context",
+            file=sys.stderr,
+        )
     sampling = dict(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     spec_stats = speculative.SpeculativeStats()
     # Seeded in every mode: generated position i draws with PositionNoise(args.seed), so the
@@ -208,13 +257,17 @@ def main(argv: list[str] | None = None) -> int:
         responses = stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=seeded)
 
     text, tokens, last = [], [], None
+    # --json prints at the end: a progress bar on a terminal's stderr meanwhile.
+    bar = tqdm(total=max_tokens, unit="tok", disable=not (notes and args.json) or None)
     for r in responses:
         text.append(r.text)
         if r.finish_reason != "stop":
             tokens.append(r.token)
         if show and not args.json:
             print(r.text, end="", flush=True)
+        bar.update()
         last = r
+    bar.close()
     stats = {
         "load_s": round(load_s, 3),
         "prompt_tokens": last.prompt_tokens,
@@ -245,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, ensure_ascii=False))
     else:
         print()
+        if not args.verbose:
+            return 0
         print(
             f"[{args.mode}] prompt: {stats['prompt_tokens']} tokens, {stats['prompt_tps']} tok/s"
             f" | generation: {stats['generation_tokens']} tokens, {stats['generation_tps']} tok/s"

@@ -8,6 +8,6 @@ if __name__ == "__main__":
         from .checkpoint import main as make_checkpoint_main
 
         sys.exit(make_checkpoint_main(sys.argv[2:]))
-    from ..cli.convert import main
+    from ..cli.entry import run
 
-    sys.exit(main())
+    sys.exit(run("convert"))

@@ -1,0 +1,253 @@
+"""What a daily user of the commands runs into: Ctrl-C, a closed stdout, `python -m bitnest_mlx
+CMD`, `--prompt -`, the context cap, mlx-lm's generate flags, `load("demo")`, the default mode on
+this hardware, and the chat command (on the demo, whose shipped template makes it chat)."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import subprocess
+import sys
+import types
+
+import mlx.core as mx
+import pytest
+
+import bitnest_mlx
+from bitnest_mlx.cli import chat, entry, generate
+from bitnest_mlx.cli.args import default_mode
+from bitnest_mlx.demo import demo_path
+
+LONG = ["--max-tokens", "1000", "--temp", "1.0", "--ignore-chat-template"]  # 300+ tokens, seed 0
+
+
+def start(*argv: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+def test_ctrl_c_while_generating_exits_130_with_one_line():
+    proc = start("bitnest_mlx.generate", *LONG)
+    assert proc.stdout.read(1)  # the first text has streamed: generation is under way
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert err.strip().splitlines()[-1] == "bitnest-generate: interrupted"
+    assert "Traceback" not in err
+
+
+def test_ctrl_c_during_the_imports_or_the_work_of_any_command_is_one_line(monkeypatch, capsys):
+    def interrupted(name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(entry.importlib, "import_module", interrupted)
+    assert entry.run("eval", []) == 130
+    fake = types.SimpleNamespace(main=lambda argv: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(entry.importlib, "import_module", lambda name: fake)
+    assert entry.run("bench", []) == 130
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["bitnest-eval: interrupted", "bitnest-bench: interrupted"]
+
+
+def test_a_closed_stdout_ends_generate_quietly():
+    proc = start("bitnest_mlx.generate", *LONG)
+    assert proc.stdout.readline()
+    proc.stdout.close()  # `| head -1`
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_python_m_bitnest_mlx_dispatches_a_command_with_its_arguments(capsys):
+    with pytest.raises(SystemExit) as e:
+        entry.dispatch(["generate", "--help"])
+    assert e.value.code == 0 and "python -m bitnest_mlx.generate" in capsys.readouterr().out
+    assert entry.dispatch(["generat"]) == 2
+    assert "unknown command 'generat'" in capsys.readouterr().err
+    r = subprocess.run(
+        [sys.executable, "-m", "bitnest_mlx", "verify", str(demo_path())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and "ok" in r.stdout.lower(), r.stdout + r.stderr
+
+
+def run(capsys, module, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    try:
+        code = module.main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_prompt_dash_reads_stdin(monkeypatch, capsys):
+    common = ("--max-tokens", "6", "--temp", "0", "--json")
+    _, given, _ = run(capsys, generate, "--prompt", "The river", *common)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("The river"))
+    code, piped, _ = run(capsys, generate, "--prompt", "-", *common)
+    assert code == 0 and json.loads(piped)["tokens"] == json.loads(given)["tokens"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    code, _, err = run(capsys, generate, "--prompt", "-", *common)
+    assert code == 2 and "prompt read from stdin is empty" in err
+
+
+def test_a_prompt_near_the_context_caps_max_tokens_with_a_note(monkeypatch, capsys):
+    model, tokenizer = bitnest_mlx.load("demo")
+    context = model.args.max_position_embeddings
+    unit = len(tokenizer.encode(" river" * 10)) // 10
+    text = " river" * ((context - 4) // unit)
+    n = len(tokenizer.encode(text))
+    assert context - 10 < n < context
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+    argv = ("--prompt", "-", "--ignore-chat-template", "--max-tokens", "50", "--json")
+    code, out, err = run(capsys, generate, *argv, "--mode", "target")
+    assert code == 0 and len(json.loads(out)["tokens"]) <= context - n
+    assert f"--max-tokens 50 capped at {context - n}: the prompt's {n} tokens" in err
+
+
+def test_load_demo_names_the_shipped_demo():
+    model, tokenizer = bitnest_mlx.load("demo")
+    assert model.supports_draft and tokenizer.has_chat_template
+
+
+def test_an_empty_prompt_is_refused_by_the_api_with_a_clear_error():
+    model, tokenizer = bitnest_mlx.load("demo")
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        bitnest_mlx.generate(model, tokenizer, [])
+
+
+def test_extra_eos_token_ends_generation_at_that_token(capsys):
+    common = ("--max-tokens", "12", "--temp", "0", "--json", "--mode", "target")
+    _, out, _ = run(capsys, generate, *common)
+    tokens = json.loads(out)["tokens"]
+    _, tokenizer = bitnest_mlx.load("demo")
+    stop = tokenizer.convert_ids_to_tokens(tokens[4])
+    first = tokens.index(tokens[4])
+    code, out, _ = run(capsys, generate, *common, "--extra-eos-token", stop)
+    assert code == 0 and json.loads(out)["tokens"] == tokens[:first]
+
+
+def test_verbose_false_prints_the_text_only(capsys):
+    code, out, err = run(capsys, generate, "--max-tokens", "4", "--verbose", "false")
+    assert code == 0 and out.strip() and err == ""
+    code, _, err = run(capsys, generate, "--max-tokens", "4", "--verbose", "maybe")
+    assert code == 2 and "expected true or false" in err
+
+
+def test_chat_template_config_reaches_the_template_and_bad_json_is_one_line(monkeypatch, capsys):
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    seen = {}
+    original = TokenizerWrapper.apply_chat_template
+
+    def spy(self, messages, **kw):
+        seen.update(kw)
+        return original(self, messages, **kw)
+
+    monkeypatch.setattr(TokenizerWrapper, "apply_chat_template", spy, raising=False)
+    config = '{"enable_thinking": false}'
+    code, _, _ = run(capsys, generate, "--max-tokens", "2", "--chat-template-config", config)
+    assert code == 0 and seen["enable_thinking"] is False
+    code, _, err = run(capsys, generate, "--chat-template-config", "{enable")
+    assert code == 2 and err.startswith("error: argument --chat-template-config: not JSON")
+
+
+def test_the_default_mode_is_speculative_on_a_gpu_and_target_on_a_cpu():
+    assert default_mode(None, True, mx.Device(mx.gpu)) == ("speculative", "")
+    mode, note = default_mode(None, True, mx.Device(mx.cpu))
+    assert mode == "target" and note.startswith("[mode] target-only: on a CPU device")
+    assert default_mode("speculative", True, mx.Device(mx.cpu)) == ("speculative", "")
+    assert default_mode(None, False, mx.Device(mx.gpu)) == ("target", "")
+
+
+def chat_run(monkeypatch, capsys, lines: str, *argv: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
+    return run(capsys, chat, "--max-tokens", "8", *argv)
+
+
+def test_chat_replies_per_turn_resets_and_exits_on_piped_input(monkeypatch, capsys):
+    turns = "Permission is granted\n/help\nThe river\n/reset\nThe river\n/exit\nnever read\n"
+    code, out, err = chat_run(monkeypatch, capsys, turns, "--stats", "--mode", "target")
+    assert code == 0
+    assert err.count("[target] prompt:") == 3 and "[chat] commands: /reset" in err
+    assert "the conversation is reset" in err
+    replies = [line for line in err.splitlines() if line.startswith("[target]")]
+    # The second turn prefills only what the cache lacks; after /reset the same turn is whole.
+    first, second, third = (int(line.split("prompt: ")[1].split()[0]) for line in replies)
+    assert second < first + 8  # not the first turn and its 8-token reply again
+    _, tokenizer = bitnest_mlx.load("demo")
+    fresh = [{"role": "user", "content": "The river"}]
+    assert third == len(tokenizer.apply_chat_template(fresh, add_generation_prompt=True))
+
+
+def test_chat_output_equals_generate_on_the_same_template(monkeypatch, capsys):
+    code, out, _ = chat_run(monkeypatch, capsys, "The river\n", "--mode", "target")
+    assert code == 0
+    _, text, _ = run(capsys, generate, "--prompt", "The river", "--max-tokens", "8", "--temp", "0")
+    assert out.strip() == text.strip()
+
+
+def test_chat_with_the_system_prompt_and_speculation_stays_exact(monkeypatch, capsys):
+    args = ("--system-prompt", "Copyright notice.")
+    _, target, _ = chat_run(monkeypatch, capsys, "The river\n", *args, "--mode", "target")
+    _, spec, err = chat_run(
+        monkeypatch, capsys, "The river\n", *args, "--mode", "speculative", "--stats"
+    )
+    assert spec == target and "[speculative] prompt:" in err
+
+
+def test_chat_refuses_a_model_without_a_template_in_one_line(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    package = tmp_path / "no-template"
+    shutil.copytree(demo_path(), package)
+    config = json.loads((package / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (package / "tokenizer_config.json").write_text(json.dumps(config))
+    code, out, err = chat_run(monkeypatch, capsys, "hi\n", "--model", str(package))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "has no chat template" in err
+
+
+@pytest.mark.parametrize("which", ["demo package", "DeepSeek-V4 demo bundle"])
+def test_a_chat_turn_on_the_kept_cache_equals_the_turn_computed_afresh(which):
+    from bitnest_mlx.demo import demo_bundle_path
+
+    path = demo_path() if which == "demo package" else demo_bundle_path()
+    args = chat.build_parser().parse_args(["--model", str(path), "--max-tokens", "8"])
+    args.mode = "target"
+    model, tokenizer = bitnest_mlx.load(path)
+
+    def reply(conversation, text):
+        stats = bitnest_mlx.SpeculativeStats()
+        return [r.token for r in conversation.reply(text, stats)]
+
+    kept = chat.Conversation(model, tokenizer, args)
+    reply(kept, "Permission is granted")
+    second = reply(kept, "The river")
+    fresh = chat.Conversation(model, tokenizer, args)
+    fresh.messages = kept.messages[:-2]  # the first turn, and no cache
+    assert reply(fresh, "The river") == second
+    assert fresh.cached[: len(kept.cached)] == kept.cached
+
+
+def test_mlx_lm_chat_runs_on_the_demo_package():
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_lm", "chat", "--model", str(demo_path())]
+        + ["--max-tokens", "4"],
+        input="Permission is granted\nq\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "4 tokens" in r.stdout and "Traceback" not in r.stderr
