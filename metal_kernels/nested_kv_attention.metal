@@ -1,10 +1,10 @@
 // Pass 1 of the nested-KV attention read (KV4: hi; KV8: hi + lo/16), flash-decoding style.
 // One threadgroup per (key split, chunk of QN query rows, batch · kv head). The rows are the GQA
 // heads sharing the kv head times the L new tokens; QN is as many of them as threadgroup memory
-// holds (kernels/nested_kv.py `kv_geometry`), so at GQA 3 and L <= 5 every key and value
-// element is read and decoded once for all rows. The splits put enough threadgroups on the GPU
-// at long context (one kv head alone would leave most cores idle). A split's keys go to the
-// NSG simdgroups in blocks of 32.
+// holds (kernels/nested_kv.py `kv_geometry`), so at GQA 3, L <= 4 and head_dim 128 every key
+// and value element is read and decoded once for all rows. The splits put enough threadgroups
+// on the GPU at long context (one kv head alone would leave most cores idle). A split's keys go
+// to the NSG simdgroups in blocks of 32.
 //   QK: lane l owns key t0 + l and computes its whole dot product against q (staged once in
 //       threadgroup memory, read as broadcasts), so no simd_sum per key. Scores need one
 //       simd_max per row and block for the online softmax.
@@ -17,8 +17,8 @@
 // values are used as code·step·scale and the output is multiplied by 1/step once at the end.
 // The KV8 code is 16 u_hi + u_lo - 136 in units of s/16: the 1/16 rides in the same power of two.
 // The NSG simdgroup states are merged through threadgroup memory (which then holds their outputs
-// where q was), and the split's (max, sum, unnormalized output) is
-// written for the merge pass (nested_kv_merge.metal).
+// where q was), and the split's (max, sum, unnormalized output) is written for the merge pass
+// (nested_kv_merge.metal).
 // Causal: query i of L sits at position n_kv - L + i and sees keys 0 ..= that position.
 constexpr int E = D / 32;
 constexpr int W = D / 8;   // words per key row
@@ -45,7 +45,8 @@ for (int j = 0; j < QN; j++) {
 
 // 1/step of column c (or output dim c) as an exact power of two: 16^-(c % 4) for KV4 codes,
 // 256^-((c / 2) % 2) / 16 for KV8 (bn_decode_w4 / bn_decode_w8), built from its exponent.
-#define KV_UNSTEP(c) as_type<float>(uint(127 - (TARGET ? 4 + 8 * (((c) / 2) % 2) : 4 * ((c) % 4))) << 23)
+#define KV_UNSTEP(c) \
+  as_type<float>(uint(127 - (TARGET ? 4 + 8 * (((c) / 2) % 2) : 4 * ((c) % 4))) << 23)
 // Threadgroup memory (nested_kv.py `kv_threadgroup_bytes` checks the total): q in tmem[0] during
 // the key loop, then the simdgroups' outputs in tmem[0 .. NSG - 1] for their merge; the block's
 // probabilities in tp. Column w·8 + i of row j is [w][i][j]: the key loop's words are its only
