@@ -27,6 +27,7 @@ import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from . import draftless
 from .draft_control import DRAFT_SOURCES, DraftController, Plan
 from .layers.draft_vocab import DraftVocabJoin
 from .layers.options import RunOptions
@@ -217,7 +218,7 @@ def speculative_generate_step(
 ) -> Generator[tuple[int, mx.array, bool], None, None]:
     """Yield (token, target log-probabilities [V], from_draft) like mlx-lm's generator.
 
-    `model` is a bitnest Model (calls take mode="draft" / "target"). `num_draft_tokens` is the
+    `model`: a bitnest Model, or one with no draft plane (`draftless`). `num_draft_tokens` is the
     most W4 draft tokens a round holds (0 = target-only, whatever the source); `fallback=False`
     never chooses a target-only step, forcing speculation; `adaptive=False` always drafts
     `num_draft_tokens` (or the whole n-gram copy); `parity=True` see `verify`. `options`
@@ -244,6 +245,9 @@ def speculative_generate_step(
         raise ValueError(f"rule must be one of {RULES}, not {rule!r}")
     if draft_source not in DRAFT_SOURCES:
         raise ValueError(f"draft_source must be one of {DRAFT_SOURCES}, not {draft_source!r}")
+    if not getattr(model, "supports_draft", True):  # one precision (DeepSeek-V4): copies only
+        adapted = draftless.adapt(model, draft_source, ngram_tokens, cost_model, prompt_cache)
+        (model, draft_source, cost_model), draft_kv = adapted, 8  # 8: no draft KV policy to read
     sampler = sampler or Sampler()
     processors = list(logits_processors or [])
     stats = stats if stats is not None else SpeculativeStats()

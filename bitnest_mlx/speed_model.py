@@ -23,7 +23,7 @@ of the pass) weighs in the nested-KV attention kernel's counts at L = M rows (`K
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .chips import family as chip_family
@@ -67,6 +67,50 @@ KV8_CYCLES = {1: 10.904, 2: 7.436, 3: 6.346, 4: 5.769, 6: 6.346, 8: 5.769}
 KV8_STREAM_BYTES = 1 + 4 / 64  # per element: both planes, an fp32 scale per 64
 
 
+@dataclass(frozen=True)
+class ExpertTraffic:
+    """What a MoE's pass of M rows reads beyond its dense weights (DeepSeek-V4 bundles).
+
+    share: routed-expert bytes / all weight bytes one token reads (its top_k experts a layer);
+    union: M -> distinct experts per layer that M consecutive tokens route to (measured,
+    `DSV4_FLASH`). The pass reads the dense weights once and union(M) experts, each for
+    M·top_k / union(M) rows on average, so with w(m) the dense path's cost of m rows:
+
+        time(M) = (1 - share)·w(M) + share · union(M) / top_k · w(M · top_k / union(M))
+
+    and time(1) = 1: one token reads its top_k experts, one row each.
+    """
+
+    share: float
+    top_k: int
+    n_experts: int
+    union: Mapping[int, float]
+
+    def experts(self, rows: int) -> float:
+        """union(rows); past the table, its last step's growth, at most every expert."""
+        if rows in self.union:
+            return self.union[rows]
+        last = max(self.union)
+        slope = self.union[last] - self.union.get(last - 1, self.union[last])
+        if rows < last:  # a table with gaps: linear between its points
+            return _interpolate(self.union, rows)
+        return min(float(self.n_experts), self.union[last] + slope * (rows - last))
+
+    def time(self, rows: int, weights: Callable[[float], float]) -> float:
+        union = self.experts(rows)
+        dense = (1 - self.share) * weights(rows)
+        return dense + self.share * union / self.top_k * weights(rows * self.top_k / union)
+
+
+# DeepSeek-V4-Flash's verify traffic. PLACEHOLDER: filled in from examples/dsv4_expert_union.py.
+DSV4_FLASH = ExpertTraffic(
+    share=0.3,
+    top_k=6,
+    n_experts=256,
+    union={m: 256 * (1 - (1 - 6 / 256) ** m) for m in range(1, 17)},
+)
+
+
 def _interpolate(points: Mapping[int, float], m: float) -> float:
     """Linear between the points, flat outside them."""
     ms = sorted(points)
@@ -83,24 +127,36 @@ def _bound(cycles: Mapping[int, float], stream_bytes: float, chip: str, rows: in
     return max(1.0, _interpolate(cycles, rows) * rows / budget)
 
 
+def _weights_time(rows: float, chip: str, path: str) -> float:
+    """Time of a `rows`-row pass over the weights, in units of a 1-row pure pass's bytes."""
+    if path == "pure" or rows > MAX_M:  # the kernels take at most MAX_M rows, then MLX's
+        return _interpolate(PURE_VERIFY[chip_family(chip)], rows)
+    return _bound(KERNEL_CYCLES, KERNEL_STREAM_BYTES, chip, rows)
+
+
 def verify_cost(
-    rows: int, chip: str = DEFAULT_CHIP, path: str = DEFAULT_PATH, kv_fraction: float = 0.0
+    rows: int,
+    chip: str = DEFAULT_CHIP,
+    path: str = DEFAULT_PATH,
+    kv_fraction: float = 0.0,
+    experts: ExpertTraffic | None = None,
 ) -> float:
     """v(M): time of a `rows`-row target pass over a 1-row one on `chip` ("M4 Max", ...).
 
     kv_fraction: KV bytes read by the pass / its weight bytes (0: weights only). The attention
     part follows the nested-KV kernel's counts on both paths (the pure path's attention is
-    MLX's own, for which there are no published multi-row timings)."""
+    MLX's own, for which there are no published multi-row timings). `experts`: a MoE's routed
+    experts (`ExpertTraffic`): the pass reads the union of the experts its rows route to."""
     if rows < 1:
         raise ValueError(f"a verify pass has at least 1 row, got {rows}")
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    if path == "pure" or rows > MAX_M:  # the kernels take at most MAX_M rows, then MLX's
-        weights = _interpolate(PURE_VERIFY[chip_family(chip)], rows)
-        weights_1 = 1.0
+    if experts is None:
+        weights = _weights_time(rows, chip, path)
+        weights_1 = _weights_time(1, chip, path)
     else:
-        weights = _bound(KERNEL_CYCLES, KERNEL_STREAM_BYTES, chip, rows)
-        weights_1 = _bound(KERNEL_CYCLES, KERNEL_STREAM_BYTES, chip, 1)
+        weights = experts.time(rows, lambda m: _weights_time(m, chip, path))
+        weights_1 = experts.time(1, lambda m: _weights_time(m, chip, path))
     if kv_fraction <= 0:
         return weights / weights_1
     # Past MAX_M rows attention is MLX's: priced at the kernel's count per row at MAX_M.
@@ -149,9 +205,10 @@ class CostModel:
     chip: str = DEFAULT_CHIP
     path: str = DEFAULT_PATH
     kv_fraction: float = 0.0
+    experts: ExpertTraffic | None = None  # a MoE: its passes read the experts' union
 
     def verify(self, rows: int) -> float:
-        return verify_cost(rows, self.chip, self.path, self.kv_fraction)
+        return verify_cost(rows, self.chip, self.path, self.kv_fraction, self.experts)
 
     def draft(self, calls: Sequence[int]) -> float:
         return self.cost_ratio * sum(self.verify(r) for r in calls)
