@@ -67,13 +67,14 @@ class Attention(nn.Module):
             x = mx.hadamard_transform(x.astype(mx.float32)).astype(x.dtype)
         return x
 
-    def _k_offset(self, n: int, dtype: mx.Dtype) -> mx.array:
-        """Qwen2's k bias as it would sit in the cache at positions 0..n-1 (RoPE and R3 are
-        linear, so K without its bias + this = K): [1, Hkv, n, D]."""
+    def _k_offset(self, n: int, start: Any, dtype: mx.Dtype) -> mx.array:
+        """Qwen2's k bias as it would sit in the cache's n slots, slot 0 at position `start`
+        (RoPE and R3 are linear, so K without its bias + this = K): [B, Hkv, n, D]. `start` is
+        0 for one sequence, minus each row's left padding [B] for a batch cache."""
         bias = self.k_proj.bias.reshape(1, self.n_kv_heads, 1, -1)
-        return self._rotate(
-            mx.broadcast_to(bias, (1, self.n_kv_heads, n, self.head_dim)).astype(dtype), 0
-        )
+        rows = 1 if isinstance(start, int) else start.shape[0]
+        shape = (rows, self.n_kv_heads, n, self.head_dim)
+        return self._rotate(mx.broadcast_to(bias, shape).astype(dtype), start)
 
     def __call__(self, x: mx.array, mask: Any, cache: NestedKVCache, o: RunOptions) -> mx.array:
         B, L, _ = x.shape
@@ -85,7 +86,10 @@ class Attention(nn.Module):
         k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q, k = self._rotate(q, cache.offset), self._rotate(k, cache.offset)
-        k_offset = self._k_offset(cache.offset + L, k.dtype) if self.k_bias_offset else None
+        k_offset = None
+        if self.k_bias_offset:  # cache.offset - cache.size(): the position of the cache's slot 0
+            start = cache.offset - cache.size()
+            k_offset = self._k_offset(cache.size() + L, start, k.dtype)
         out = cache.attend(
             q,
             k,

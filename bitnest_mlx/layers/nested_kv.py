@@ -165,6 +165,14 @@ class NestedKVCache(_BaseCache):
     def meta_state(self, v):
         self.group_size, self.quantized = int(v[0]), bool(int(v[1]))
 
+    @classmethod
+    def merge(cls, caches: list[NestedKVCache]) -> Any:
+        """mlx-lm's batching protocol: BatchGenerator merges one cache per sequence (and its
+        server batches only models whose caches have `merge`)."""
+        from .batch_nested_kv import BatchNestedKVCache  # it builds on this module
+
+        return BatchNestedKVCache.merge(caches)
+
     def is_trimmable(self) -> bool:
         return True
 
