@@ -4,7 +4,7 @@ sampling acceptance of speculative decoding and its projected speed on a bandwid
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 import mlx.core as mx
@@ -45,6 +45,13 @@ def builtin_prompts(tokenizer) -> dict[str, list[int]]:
     else:
         out["chat"] = tokenizer.encode(f"User: {PROMPTS['chat']}\nAssistant:")
     return out
+
+
+Progress = Callable[[str, int, int], None]  # (stage, units done, units in the stage)
+
+
+def _silent(stage: str, done: int, total: int) -> None:
+    pass
 
 
 def windows(tokens: list[int], size: int) -> list[list[int]]:
@@ -160,6 +167,7 @@ def evaluate(
     rule: str = "rejection",
     draft_source: str = "auto",
     draft_vocab_join: bool = True,
+    progress: Progress | None = None,
 ) -> dict:
     """Scores of a bitnest model on the first `max_tokens` tokens of `text`, in `window`-token
     teacher-forced windows: perplexity and bits/byte of each mode; the draft/target greedy
@@ -170,7 +178,9 @@ def evaluate(
     default `builtin_prompts`; skipped when `gen_tokens` is 0); and the projected speedup on a
     bandwidth-bound GPU (`speed_model.speed_model`; from the i.i.d. formula alone, at the
     windows' context, when `gen_tokens` is 0). The adaptive runs (`adaptive_runs`) follow
-    `draft_source` and `draft_vocab_join` (speculative_generate_step's)."""
+    `draft_source` and `draft_vocab_join` (speculative_generate_step's). `progress(stage,
+    done, total)` is called as each stage's work is done (the CLI's progress bars)."""
+    tick = progress or _silent
     # A prefix is enough (no token spans 16 characters) and avoids tokenizing a whole book.
     tokens = tokenizer.encode(text[: 16 * max_tokens], verbose=False)[:max_tokens]
     used_kv = resolve_draft_kv(draft_kv, model, min(window, len(tokens)))
@@ -179,7 +189,9 @@ def evaluate(
     agree_all, overlap_all = dict.fromkeys(DRAFT_KV, 0.0), dict.fromkeys(DRAFT_KV, 0.0)
     head = getattr(model, "draft_head", None)  # a reduced draft vocabulary (§2.9), or None
     n_pred = n_bytes = n_positions = 0
-    for w in windows(tokens, window):
+    scored = windows(tokens, window)
+    for i, w in enumerate(scored):
+        tick("scoring windows", i, len(scored))
         logits = {r: _logits(model, w, r) for r in ("target", *(f"draft_kv{k}" for k in DRAFT_KV))}
         if "float" in modes:
             logits["float"] = _logits(model, w, "float")
@@ -204,6 +216,7 @@ def evaluate(
         n_positions += len(w)
         n_pred += len(w) - 1
         n_bytes += len(tokenizer.decode(w[1:]).encode("utf-8"))
+    tick("scoring windows", len(scored), len(scored))
     nll["draft"] = nll[used_kv]
 
     def scores(m) -> dict:
@@ -266,7 +279,9 @@ def evaluate(
         }
     if gen_tokens > 0 and gammas:
         prompts = builtin_prompts(tokenizer) if prompts is None else prompts
+        tick("speculative runs", 0, 2)
         runs = sampled_acceptance(model, prompts, gammas, gen_tokens, sampler, seed, rule, draft_kv)
+        tick("speculative runs", 1, 2)
         # The roofline at the runs' mean context (prompt + half the generated tokens), the
         # draft reading the KV the policy picks there.
         context = round(sum(len(ids) for ids in prompts.values()) / len(prompts) + gen_tokens / 2)
@@ -295,6 +310,7 @@ def evaluate(
             max(gammas),
             draft_vocab_join,
         )
+        tick("speculative runs", 2, 2)
     result["verify_cost"] = verify_table()
     return result
 

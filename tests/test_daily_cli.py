@@ -251,3 +251,33 @@ def test_mlx_lm_chat_runs_on_the_demo_package():
     )
     assert r.returncode == 0, r.stderr
     assert "4 tokens" in r.stdout and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "name", ["generate", "chat", "eval", "bench", "convert", "verify", "doctor"]
+)
+def test_every_option_taking_a_value_gives_its_default_in_help(name):
+    import argparse
+    import importlib
+
+    parser = importlib.import_module(f"bitnest_mlx.cli.{name}").build_parser()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.option_strings or action.required or action.nargs == 0:
+            continue
+        text = formatter._expand_help(action) if action.help else ""
+        assert "default" in text.lower(), (name, action.option_strings, text)
+        assert action.help is not argparse.SUPPRESS
+
+
+def test_the_eval_report_is_sections_of_words_with_each_number_once(tmp_path, capsys):
+    from bitnest_mlx.cli import eval as eval_cli
+
+    text = tmp_path / "t.txt"
+    text.write_text("The licenses for most software are designed to take away your freedom. " * 8)
+    argv = ["--text", str(text), "--max-tokens", "64", "--window", "32", "--gen-tokens", "0"]
+    code, out, _ = run(capsys, eval_cli, *argv, "--mode", "target")
+    assert code == 0
+    assert "{" not in out and "'" not in out  # no Python dict or repr
+    assert out.count("ppl ") == 1 + 2  # the target once, then each draft KV reading
+    assert out.startswith("eval of demo on ")

@@ -17,7 +17,17 @@ from pathlib import Path
 import pytest
 
 from bitnest_mlx import dsv4
-from bitnest_mlx.cli import COMMANDS, bench, convert, doctor, eval, generate, server, verify
+from bitnest_mlx.cli import (
+    COMMANDS,
+    bench,
+    chat,
+    convert,
+    doctor,
+    eval,
+    generate,
+    server,
+    verify,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -26,6 +36,7 @@ MAX_TOKENS = 16  # runnable blocks decode at most this many tokens, whatever the
 
 PARSERS = {
     "generate": generate.build_parser,
+    "chat": chat.build_parser,
     "convert": convert.build_parser,
     "eval": eval.build_parser,
     "bench": bench.build_parser,
@@ -34,7 +45,7 @@ PARSERS = {
     "doctor": doctor.build_parser,
     "dsv4": dsv4.build_parser,
 }
-MAINS = {"generate": generate.main, "doctor": doctor.main, "verify": verify.main}
+MAINS = {"generate": generate.main, "chat": chat.main, "doctor": doctor.main, "verify": verify.main}
 
 
 @dataclass(frozen=True)
@@ -134,9 +145,10 @@ def test_the_docs_invoke_our_commands_in_many_places():
     "block, name, argv, line", INVOCATIONS, ids=[f"{b}" for b, *_ in INVOCATIONS]
 )
 def test_every_documented_flag_exists_in_its_commands_parser(block, name, argv, line):
-    if name == "bitnest_mlx":
-        assert not argv, f"{block}: `python -m bitnest_mlx` takes no arguments: {line}"
-        return
+    if name == "bitnest_mlx":  # `python -m bitnest_mlx CMD ARGS...` runs CMD
+        if not argv:
+            return
+        name, argv = argv[0], argv[1:]
     assert name in PARSERS, f"{block}: no command bitnest_mlx.{name}: {line}"
     options = _flags_of(name, argv)
     for token in argv:
@@ -174,14 +186,25 @@ def test_a_commands_flag_table_lists_exactly_its_flags(page, name, listed):
 # ------------------------------------------------------------------------- runnable blocks
 
 
-def transcripts(block: Block) -> list[tuple[str, list[str], list[str]]]:
-    """(command, argv, documented output lines) for each `$ command` of a runnable block."""
-    found: list[tuple[str, list[str], list[str]]] = []
+def piped_input(command: str) -> tuple[str, str | None]:
+    """`printf 'a\\nb\\n' | CMD` -> (CMD, "a\\nb\\n"): a runnable block's piped stdin."""
+    left, bar, right = command.partition(" | ")
+    words = shlex.split(left) if bar else []
+    if words[:1] != ["printf"] or len(words) != 2:
+        return command, None
+    return right, words[1].encode().decode("unicode_escape")
+
+
+def transcripts(block: Block) -> list[tuple[str, list[str], list[str], str | None]]:
+    """(command, argv, documented output lines, stdin) for each `$ command` of a runnable
+    block."""
+    found: list[tuple[str, list[str], list[str], str | None]] = []
     for line in block.text.splitlines():
         if line.startswith("$ "):
-            cmd = command_of(shlex.split(line[2:], comments=True))
+            command, stdin = piped_input(line[2:])
+            cmd = command_of(shlex.split(command, comments=True))
             assert cmd is not None and cmd[0] in MAINS, f"{block}: cannot run {line}"
-            found.append((cmd[0], cmd[1], []))
+            found.append((cmd[0], cmd[1], [], stdin))
         else:
             assert found, f"{block}: a runnable block starts with `$ command`"
             found[-1][2].append(line)
@@ -224,13 +247,15 @@ def _same_shape(documented: list[str], printed: list[str], name: str, where: str
     errors = [x for x in doc if x.startswith("error: ")]
     assert [x for x in printed if x.startswith("error: ")] == errors, where
     text = [x for x in doc if not re.match(r"^\[\w+\] ", x) and not x.startswith("error: ")]
-    if text and name != "generate":  # generated text varies with the machine; labels do not
+    if text and name not in ("generate", "chat"):  # generated text varies; labels do not
         assert printed and printed[0] == text[0], where
 
 
 @pytest.mark.parametrize("block", RUNNABLE_BLOCKS, ids=[str(b) for b in RUNNABLE_BLOCKS])
-def test_a_runnable_block_prints_what_it_documents(block, capsys):
-    for name, argv, documented in transcripts(block):
+def test_a_runnable_block_prints_what_it_documents(block, capsys, monkeypatch):
+    for name, argv, documented, stdin in transcripts(block):
+        if stdin is not None:
+            monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
         with contextlib.suppress(SystemExit):  # an argument refused: exit 2, as documented
             MAINS[name](_short(argv))
         out = capsys.readouterr()

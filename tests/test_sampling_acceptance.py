@@ -167,5 +167,5 @@ def test_eval_cli_prints_the_new_fields(package, tmp_path, capsys):
     assert set(out["draft_kv"]["readings"]) == {"4", "8"}
     assert eval_cli.main([*argv, "--draft-kv", "4"]) == 0
     report = capsys.readouterr().out
-    assert "sum min(p, q)" in report and "tokens per round" in report
-    assert "draft KV: 4 -> KV4" in report and "best: gamma" in report
+    assert "sum min(p, q)" in report and "tokens a round" in report
+    assert "the draft reads KV4: --draft-kv 4" in report and "best: gamma" in report

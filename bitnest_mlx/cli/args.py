@@ -13,8 +13,32 @@ import sys
 from collections.abc import Callable
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Help that ends every option taking a value with its default, unless the text already
+    says it: `(default: 0.8)`, `(default: none)`. Flags (on when given) and required options
+    need none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or action.required
+            or action.nargs == 0  # store_true / store_false / help / version
+            or action.default is argparse.SUPPRESS
+            or "default" in text.lower()
+        ):
+            return text
+        shown = "none" if action.default in (None, [], {}) else "%(default)s"
+        return f"{text} (default: {shown})" if text else f"default: {shown}"
+
+
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line, `error: <what>`, with exit status 2."""
+    """An ArgumentParser whose errors are one line, `error: <what>`, with exit status 2, and
+    whose help gives every default (`DefaultsFormatter`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # argparse's hook for every refusal it makes
         self.exit(2, f"error: {one_line(message)}\n")

@@ -25,6 +25,8 @@ from .args import (
     probability,
     refuse,
 )
+from .eval_report import report
+from .progress import StageBars
 
 
 def gamma_list(text: str) -> tuple[int, ...]:
@@ -185,101 +187,13 @@ def main(argv: list[str] | None = None) -> int:
         rule=args.rule,
         draft_source=args.draft_source,
         draft_vocab_join=args.draft_vocab_join == "on",
+        progress=StageBars(),
     )
     result = {"model": str(args.model), "text": str(args.text), "mode": args.mode, **result}
     if args.mode != "all":
         result.update(result["modes"][args.mode])
     print(json.dumps(result) if args.json else report(result))
     return 0
-
-
-def report(r: dict) -> str:
-    """The human-readable report of an `evaluate` result."""
-    r = dict(r)
-    lines = [
-        f"{m:>7}: ppl {s['ppl']:.4f}, {s['bits_per_byte']:.4f} bits/byte"
-        for m, s in r.pop("modes").items()
-    ]
-    kv, sampling = r.pop("draft_kv"), r.pop("sampling")
-    runs, speed = r.pop("speculative_sampling", None), r.pop("speed_model", None)
-    verify_cost = r.pop("verify_cost")
-    for k, v in r.items():
-        lines.append(f"{k:>17}: {v:.4f}" if isinstance(v, float) else f"{k:>17}: {v}")
-    limit = kv["kv8_context_limit"]
-    lines.append(
-        f"draft KV: {kv['policy']} -> KV{kv['windows']} on the windows (auto reads KV8 up to "
-        f"{'any' if limit is None else limit} context tokens)"
-    )
-    for name, s in kv["readings"].items():
-        lines.append(
-            f"  draft KV{name}: ppl {s['ppl']:.4f}, argmax agreement {s['argmax_agreement']:.4f},"
-            f" sum min(p, q) {s['sum_min_pq']:.4f}"
-        )
-    lines.append(
-        f"sampling (temp {sampling['temp']}, top-p {sampling['top_p']}): mean sum min(p, q) "
-        f"{r['sum_min_pq']:.4f}"
-    )
-    if runs is not None:
-        lines.append(
-            f"speculative runs ({sampling['rule']}, seed {sampling['seed']}, "
-            f"{runs['gen_tokens']} tokens on each of {', '.join(runs['prompt_tokens'])}):"
-        )
-        for g, s in runs["gammas"].items():
-            lines.append(
-                f"  gamma {g}: {s['mean_accepted']:.3f} accepted + 1 = "
-                f"{s['tokens_per_round']:.3f} tokens per round, acceptance "
-                f"{s['acceptance_rate']:.1%} ({s['rounds']} rounds)"
-            )
-    if speed is not None:
-        b = speed["bytes_per_token"]
-        lines.append(
-            f"speed model (bandwidth-bound, {speed['context_tokens']} context tokens, draft "
-            f"KV{speed['draft_kv']}): c = {b['draft'] / 1e6:.3f} / {b['target'] / 1e6:.3f} MB "
-            f"= {speed['cost_ratio']:.3f}"
-        )
-        for g, s in speed["gammas"].items():
-            measured = s["measured_speedup"]  # None without sampled runs (--gen-tokens 0)
-            lines.append(
-                f"  gamma {g}: "
-                + (f"measured {measured:.3f}x, " if measured is not None else "")
-                + f"i.i.d. (alpha {speed['alpha']:.3f}) {s['iid_speedup']:.3f}x"
-            )
-        if speed["best_speedup"] is not None:
-            lines.append(
-                f"  best: gamma {speed['best_gamma']}, {speed['best_speedup']:.3f}x target-only "
-                f"(i.i.d.: gamma {speed['best_gamma_iid']}, {speed['best_speedup_iid']:.3f}x)"
-            )
-        else:
-            lines.append(
-                f"  best (i.i.d.): gamma {speed['best_gamma_iid']}, "
-                f"{speed['best_speedup_iid']:.3f}x target-only"
-            )
-    if runs is not None and "adaptive" in runs:
-        a = runs["adaptive"]
-        lines.append(
-            f"adaptive runs (--draft-source {a['draft_source']}, at most {a['num_draft_tokens']} "
-            f"W4 tokens a round): {a['tokens_per_round']:.3f} tokens per round over "
-            f"{a['rounds']} rounds ({a['target_steps']} target-only)"
-        )
-        for source, s in sorted(a["sources"].items()):
-            lines.append(
-                f"  {source}: {s['rounds']} rounds, {s['accepted']} of {s['drafted']} accepted"
-            )
-        for prompt, chips in a["projected_speedup"].items():
-            lines.append(
-                f"  {prompt}: projected "
-                + ", ".join(f"{c} {v['pure']:.3f}x / {v['kernel']:.3f}x" for c, v in chips.items())
-                + " (pure / kernel v(M))"
-            )
-    for path, chips in verify_cost.items():
-        lines.append(
-            f"v(M) {path}: "
-            + "; ".join(
-                f"{c} " + " ".join(f"{v:.2f}" for v in row.values()) for c, row in chips.items()
-            )
-            + f" (M = {', '.join(map(str, next(iter(chips.values()))))})"
-        )
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":
