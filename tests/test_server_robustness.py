@@ -45,7 +45,8 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("robust")
     env = {"HF_HUB_CACHE": str(root / "no-such-cache"), "HF_HUB_OFFLINE": "1"}
     log = root / "server.log"
-    with running_server(["--model", str(demo_path())], log, env) as url:
+    args = ["--model", str(demo_path()), "--mode", "speculative"]  # lone: speculates; else batch
+    with running_server(args, log, env) as url:
         yield url, log
 
 
@@ -142,16 +143,23 @@ BAD = {
 }
 
 
+PARAMS = {"max_tokens -5": "max_tokens", "temperature NaN": "temperature", "stop 5": "stop"}
+
+
 @pytest.mark.parametrize("name", list(BAD))
 def test_bad_request_gets_4xx_json_and_the_next_good_request_works(server, name):
     url, log = server
     body, want = BAD[name]
     status, raw = request(url, CHAT, body)
     assert status == want, raw
-    error = json.loads(raw)["error"]
-    assert isinstance(error, str) and error
+    error = json.loads(raw)["error"]  # OpenAI's shape
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == "invalid_request_error"
     if name == "prompt longer than context":
-        assert "context is 2048 tokens" in error
+        assert "context is 2048 tokens" in error["message"]
+    if name in PARAMS:
+        assert error["param"] == PARAMS[name], error
     assert_healthy(url, log)
 
 
@@ -189,7 +197,7 @@ def test_32_concurrent_clients_get_single_client_answers(server):
             if i % 8 == 5:  # a careless client: bad JSON or a bad field
                 body = b"{oops" if i % 16 == 5 else chat(prompt, max_tokens=-5)
                 status, raw = request(url, CHAT, body)
-                results[i] = ("bad", status, json.loads(raw).get("error"))
+                results[i] = ("bad", status, json.loads(raw)["error"]["message"])
             elif i % 4 == 2:  # a client that goes away after the first event
                 disconnect_mid_stream(url, CHAT, chat(prompt, max_tokens=64, temperature=0.0))
                 results[i] = ("gone",)
