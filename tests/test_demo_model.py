@@ -140,7 +140,7 @@ def test_every_command_takes_model_demo(tmp_path, capsys):
     from bitnest_mlx.cli.server import build_parser, resolved
 
     pkg = str(demo_path())
-    served = resolved(build_parser().parse_args(["--model", "demo"]))
+    served = resolved(build_parser().parse_args(["--model", "demo", "--mode", "speculative"]))
     assert (served.model, served.draft_model) == (pkg, pkg + "#draft")
     assert bench.build_parser().parse_args([]).model == "demo"
     assert generate.main(["--model", "demo", "--max-tokens", "3", "--json"]) == 0
