@@ -71,7 +71,17 @@ setup(
     entry_points={
         "console_scripts": [
             f"bitnest-{name}=bitnest_mlx.cli.entry:{name}"
-            for name in ("generate", "chat", "convert", "eval", "bench", "server", "verify", "doctor")
+            for name in (
+                "generate",
+                "chat",
+                "convert",
+                "eval",
+                "bench",
+                "server",
+                "upload",
+                "verify",
+                "doctor",
+            )
         ]
     },
     extras_require={

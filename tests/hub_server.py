@@ -5,7 +5,13 @@
     HEAD /{org}/{name}/resolve/{rev}/{path}           metadata (X-Repo-Commit, ETag, size)
     GET  /{org}/{name}/resolve/{rev}/{path}           the bytes
 
-Repos are local directories served read-only. `gated` repos answer downloads with the Hub's
+    POST /api/repos/create                            create a repo (uploads)
+    POST /api/validate-yaml                           a README.md's YAML front matter
+    POST /api/models/{org}/{name}/preupload/{rev}     every file a plain git blob
+    POST /api/models/{org}/{name}/commit/{rev}        NDJSON commit: files written to the repo
+
+Repos are local directories, served read-only; repos created here live under `upload_root`.
+`gated` repos answer downloads with the Hub's
 401 GatedRepo, unknown repos 404 RepoNotFound, unknown revisions 404 RevisionNotFound.
 Files named in `truncate` are cut off halfway (the connection drops), like a network failure.
 `requests` records every (method, path) for assertions.
@@ -22,8 +28,16 @@ from urllib.parse import unquote, urlparse
 
 
 class FakeHub:
-    def __init__(self, repos: dict[str, Path], gated: set[str] = frozenset()):
+    def __init__(
+        self,
+        repos: dict[str, Path],
+        gated: set[str] = frozenset(),
+        upload_root: Path | None = None,
+    ):
         self.repos = {k: Path(v) for k, v in repos.items()}
+        self.upload_root = upload_root
+        self.commits: list[dict] = []  # each commit's header and file paths
+        self.validated: list[str] = []  # README front matters checked (/api/validate-yaml)
         self.gated = set(gated)
         self.truncate: set[str] = set()
         self.requests: list[tuple[str, str]] = []
@@ -61,6 +75,69 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             self._serve(body=True)
+
+        def do_POST(self) -> None:
+            path = unquote(urlparse(self.path).path)
+            hub.requests.append(("POST", path))
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            parts = path.strip("/").split("/")
+            if parts == ["api", "repos", "create"]:
+                return self._create(json.loads(body))
+            if parts == ["api", "validate-yaml"]:  # a README.md's front matter, as the Hub does
+                return self._validate_yaml(json.loads(body)["content"])
+            repo = "/".join(parts[2:4])
+            if parts[:2] != ["api", "models"] or repo not in hub.repos:
+                return self._error(404, "RepoNotFound")
+            if parts[4:5] == ["preupload"]:
+                files = json.loads(body)["files"]
+                regular = {"uploadMode": "regular", "shouldIgnore": False}
+                return self._json({"files": [{"path": f["path"], **regular} for f in files]})
+            if parts[4:5] == ["commit"]:
+                return self._commit(repo, body)
+            return self._error(404, "EntryNotFound")
+
+        def _validate_yaml(self, content: str) -> None:
+            import yaml
+
+            front = content.split("---\n")[1] if content.startswith("---\n") else ""
+            try:
+                meta = yaml.safe_load(front) or {}
+                errors = [] if isinstance(meta, dict) else [{"message": "not a mapping"}]
+            except yaml.YAMLError as e:
+                errors = [{"message": str(e)}]
+            hub.validated.append(front)
+            if errors:
+                raw = json.dumps({"errors": errors}).encode()
+                self.send_response(400)
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                return self.wfile.write(raw)
+            self._json({"warnings": []})
+
+        def _create(self, request: dict) -> None:
+            repo = f"{request['organization']}/{request['name']}"
+            if hub.upload_root is None:
+                return self._error(403, "Forbidden")
+            if repo not in hub.repos:
+                hub.repos[repo] = hub.upload_root / repo
+                hub.repos[repo].mkdir(parents=True)
+            self._json({"url": f"{hub.url}/{repo}", "name": repo})
+
+        def _commit(self, repo: str, body: bytes) -> None:
+            import base64
+
+            lines = [json.loads(x) for x in body.decode().splitlines() if x.strip()]
+            header = next(x["value"] for x in lines if x["key"] == "header")
+            written = []
+            for x in lines:
+                if x["key"] == "file":
+                    target = hub.repos[repo] / x["value"]["path"]
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(base64.b64decode(x["value"]["content"]))
+                    written.append(x["value"]["path"])
+            hub.commits.append({"repo": repo, "header": header, "files": written})
+            sha = hub.sha(repo)
+            self._json({"commitUrl": f"{hub.url}/{repo}/commit/{sha}", "commitOid": sha})
 
         def _error(self, status: int, code: str) -> None:
             self.send_response(status)

@@ -39,6 +39,8 @@ RANKS = {
     "cli": 5,
     "generate": 5,
     "chat": 5,
+    "upload": 5,
+    "publish": 4,  # the model card and the Hub upload of a package or bundle
     "eval": 5,
     "bench": 5,
     "server": 5,

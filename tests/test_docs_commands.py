@@ -26,6 +26,7 @@ from bitnest_mlx.cli import (
     eval,
     generate,
     server,
+    upload,
     verify,
 )
 
@@ -41,6 +42,7 @@ PARSERS = {
     "eval": eval.build_parser,
     "bench": bench.build_parser,
     "server": server.build_parser,
+    "upload": upload.build_parser,
     "verify": verify.build_parser,
     "doctor": doctor.build_parser,
     "dsv4": dsv4.build_parser,

@@ -8,6 +8,7 @@ COMMANDS = {
     "eval": "perplexity, bits/byte and draft/target agreement on a text file",
     "bench": "draft, target and speculative tok/s beside mlx-lm on the same backend",
     "server": "mlx-lm's OpenAI-compatible server with self-speculation",
+    "upload": "publish a package or bundle to the Hugging Face Hub with a model card",
     "verify": "check a package or bundle against the sha256 checksums its writer recorded",
     "doctor": "a report to paste into an issue: this machine, each kernel's self-test and GB/s",
 }
