@@ -14,10 +14,20 @@ import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from . import __version__
 from .formats import detect
 
 MANIFEST = "bitnest.json"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("bitnest-mlx")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "(source tree)"
+
+
 CARD = "README.md"
 
 
@@ -125,7 +135,7 @@ def model_card(path: Path, repo_id: str, evals: Sequence[Mapping] = ()) -> str:
         "",
         f"# {repo_id}",
         "",
-        f"This is {what}, made with bitnest-mlx {__version__}"
+        f"This is {what}, made with bitnest-mlx {_version()}"
         + (f" from [{source}](https://huggingface.co/{source})." if source else "."),
         "",
         "## Use",
@@ -185,6 +195,6 @@ def upload(
         folder_path=str(path),
         repo_id=repo_id,
         repo_type="model",
-        commit_message=message or f"Upload {path.name} (bitnest-mlx {__version__})",
+        commit_message=message or f"Upload {path.name} (bitnest-mlx {_version()})",
     )
     return str(url)

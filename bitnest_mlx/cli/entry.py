@@ -43,8 +43,10 @@ def run(name: str, argv: list[str] | None = None) -> int:
         return 0
 
 
-def dispatch(argv: list[str]) -> int:
-    """`python -m bitnest_mlx CMD ARGS...`: run CMD with ARGS; no command lists them."""
+def dispatch(argv: list[str]) -> str | int:
+    """`python -m bitnest_mlx CMD ARGS...`: the module CMD runs as (`bitnest_mlx.CMD`, which the
+    caller executes with ARGS, exactly as `python -m bitnest_mlx.CMD ARGS` would run), or the
+    exit status when there is nothing to run: no command lists them, an unknown one is refused."""
     if not argv or argv[0] in ("-h", "--help"):
         print(
             "bitnest-mlx commands (python -m bitnest_mlx <name> ARGS, python -m "
@@ -53,17 +55,13 @@ def dispatch(argv: list[str]) -> int:
         for name, what in COMMANDS.items():
             print(f"  {name:<9} {what}")
         return 0
-    name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
+    if argv[0] not in COMMANDS:
         print(
-            f"error: unknown command {name!r}; one of: {', '.join(COMMANDS)}",
+            f"error: unknown command {argv[0]!r}; one of: {', '.join(COMMANDS)}",
             file=sys.stderr,
         )
         return 2
-    # The command reads sys.argv as if started on its own (`python -m bitnest_mlx.<name>`):
-    # its usage line, and convert's re-execution with OpenBLAS, see the same arguments.
-    sys.argv = [f"bitnest_mlx.{name}", *rest]
-    return run(name)
+    return f"bitnest_mlx.{argv[0]}"
 
 
 def _script(name: str):
