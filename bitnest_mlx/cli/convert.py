@@ -11,9 +11,10 @@ import threading
 import time
 from pathlib import Path
 
-from ..convert import convert
+from ..convert import OutputError, convert
 from ..convert.calib import CALIB_TOKENS
 from ..convert.joint import W8_BUDGET
+from ..convert.resume import describe
 from ..convert.rotation import ROTATIONS
 from ..formats.bitnest import KV_GROUPS, WEIGHT_GROUPS
 from .args import Parser, float_at_least, int_at_least, non_negative_int, positive_int, refuse
@@ -49,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m bitnest_mlx.convert",
         description="Convert a Llama/Qwen2 checkpoint to a bitnest package: RMSNorm folding, "
         "R1/R2 rotations, R4 Hadamard, GPTQ (hi plane) + RTN residual (lo plane). The package "
-        "is written into a hidden sibling of --out and renamed into place when complete.",
+        "is written into a hidden sibling of --out and renamed into place when complete; an "
+        "interrupted conversion keeps its finished layers there, and the same command run again "
+        "resumes it.",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf-path", help="Hugging Face checkpoint directory (safetensors)")
@@ -64,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--force",
         action="store_true",
         help="replace an existing non-empty --out (removed only once the new package is complete)",
+    )
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="delete an interrupted conversion to the same --out (its hidden .NAME.partial-* "
+        "folder) and start over, instead of resuming it",
     )
     p.add_argument("--calib", help="calibration text file (default: built-in corpus)")
     p.add_argument(
@@ -173,8 +182,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _terminate(signum, frame):
-    """SIGTERM -> SystemExit, so the half-written package is removed as on Ctrl-C."""
+    """SIGTERM -> SystemExit, so it ends as on Ctrl-C (finished layers kept, the rest removed)."""
     sys.exit(128 + signum)
+
+
+def _interrupted(out: str) -> str:
+    """What an interrupted conversion leaves: finished layers to resume from, or nothing."""
+    kept = describe(out)
+    if kept is None:
+        return f"error: interrupted; no package was written to {out}"
+    return (
+        f"error: interrupted; no package was written to {out} yet, but {kept}: run the same "
+        "command again to resume (add --fresh to start over)"
+    )
 
 
 def _stages_line(summary: dict) -> str:
@@ -221,12 +241,20 @@ def main(argv: list[str] | None = None) -> int:
                 draft_vocab=args.draft_vocab,
                 scratch=Path(tmp),
                 force=args.force,
+                fresh=args.fresh,
             )
     except (ValueError, OSError) as e:  # SourceError, OutputError and PackageError included
-        return refuse(e)
+        code = refuse(e)
+        kept = None if isinstance(e, OutputError) else describe(args.out)
+        if kept is not None:  # a failure after some layers: they are not lost
+            print(f"note: {kept}; the same command resumes from there", file=sys.stderr)
+        return code
     except KeyboardInterrupt:
-        print(f"error: interrupted; no package was written to {args.out}", file=sys.stderr)
+        print(_interrupted(args.out), file=sys.stderr)
         return 130
+    except SystemExit:  # SIGTERM
+        print(_interrupted(args.out), file=sys.stderr)
+        raise
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -3,11 +3,16 @@ rotate (R1/R2), smooth (optional), fuse R4, calibrate through the runtime's forw
 each Linear (joint W4/W8 codes, GPTQ or RTN), writing shard by shard.
 
 The package is written into a hidden sibling of `out` and renamed into place at the end
-(`output.atomic_directory`); `out` may never be, or lie inside, the source (`check_output`)."""
+(`output.atomic_directory`); `out` may never be, or lie inside, the source (`check_output`).
+An interrupted conversion keeps that sibling with a record of its finished layers, and the same
+conversion run again continues from there (`resume.py`)."""
 
 from __future__ import annotations
 
+import hashlib
+import sys
 import warnings
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,6 +27,7 @@ from .methods import Method
 from .output import OutputError, atomic_directory, check_output
 from .package import fold_norms, smooth_linears
 from .pipeline import build, write_package
+from .resume import Identity, Partial, ResumeError, open_partial
 from .rotation import Rotation
 from .smoothing import smoothing_vectors
 from .sources import SourceError, load_gguf, load_hf
@@ -32,6 +38,38 @@ def _tokenizer(path: Path):
     from mlx_lm.tokenizer_utils import load
 
     return load(path)
+
+
+def _settings(method: Method, calib: str | Path | None, **flags) -> dict:
+    """{CLI flag: value} of every setting that changes the package (a resumed conversion must
+    have them all the same), the converter's version included: another version may choose
+    other codes. The method's settings come as its manifest notes have them, so one that does
+    not apply to the method (--w8-slack with joint) does not keep a conversion from resuming."""
+    names = {"method": "--method", "lo_method": "--lo", "w8_slack": "--w8-slack"}
+    names |= {"lambda_draft": "--lambda-draft", "w8_budget": "--w8-budget"}
+    settings = {names[key]: value for key, value in method.notes().items()}
+    settings["--damp"] = method.damp if method.calibrated else None
+    text = Path(calib).read_bytes() if calib else None
+    settings["--calib"] = hashlib.sha256(text).hexdigest()[:16] if text else "built-in"
+    settings |= {f"--{key.replace('_', '-')}": value for key, value in flags.items()}
+    try:
+        settings["bitnest-mlx"] = version("bitnest-mlx")
+    except PackageNotFoundError:  # run from a source tree
+        settings["bitnest-mlx"] = "source"
+    return settings
+
+
+def _smoothing(partial: Partial, stages: Stages, config, tokens, source, rotation, group):
+    """The --smooth search's result: the one a resumed conversion kept, else searched and
+    kept."""
+    found = partial.smoothing()
+    if found is None:
+        with stages("calibrate"):
+            found = smoothing_vectors(
+                None, config, tokens, source=source, rotation=rotation, group_size=group
+            )
+        partial.save_smoothing(found)
+    return found
 
 
 def convert(
@@ -57,13 +95,20 @@ def convert(
     draft_vocab: int | str = "auto",
     scratch: Path,
     force: bool = False,
+    fresh: bool = False,
 ) -> dict:
     """Convert one checkpoint; returns a summary (also recorded in the manifest's `conversion`).
 
     `out` must not be the source or lie inside its directory, nor contain an input; an existing
     non-empty `out` is replaced only with `force`, and only once the new package is complete
     (OutputError otherwise, before anything is read). Nothing appears at `out` until the end: an
-    exception or KeyboardInterrupt leaves it as it was, with no temporary folder beside it.
+    exception or KeyboardInterrupt leaves it as it was.
+
+    Finished layers are kept: an exception, KeyboardInterrupt or SystemExit after the first
+    layer leaves the hidden sibling with its record (`resume.py`), and a later call with the same
+    `out`, source and settings continues after the last finished layer; one with other settings
+    or another source is refused (`ResumeError`, an OutputError) unless `fresh`, which deletes
+    the partial conversions of `out` and starts over.
 
     `smooth` searches per-norm smoothing vectors on the calibration text (`smoothing.py`) and
     stores those that lower the joint W4/W8 output error (manifest `norms.smoothing`).
@@ -80,9 +125,32 @@ def convert(
         inputs=[calib] if calib else [],
         replace=force,
     )
+    identity = Identity.of(
+        hf_path or gguf,
+        _settings(
+            m,
+            calib,
+            rotate=rotate_kind,
+            seed=seed,
+            calib_tokens=calib_tokens,
+            calib_seq_len=calib_seq_len,
+            r3="on" if r3 else "off",
+            kv_group=kv_group,
+            group_size=group_size or "auto",
+            smooth="on" if smooth else "off",
+            draft_vocab=draft_vocab,
+        ),
+    )
+    partial = open_partial(out, identity, fresh)
     stages = Stages()
     try:
-        with atomic_directory(out, replace=force) as tmp:
+        with atomic_directory(out, replace=force, into=partial.path, keep=partial.keep) as tmp:
+            partial.attach(tmp)
+            if partial.layers_done:
+                print(
+                    f"[convert] resuming {tmp}: {partial.layers_done} layers were finished",
+                    file=sys.stderr,
+                )
             with stages("read"):
                 source = load_hf(hf_path) if hf_path else load_gguf(gguf, scratch / "tokenizer")
             config = source.config
@@ -108,10 +176,7 @@ def convert(
                     )
             smoothing = None
             if smooth:
-                with stages("calibrate"):
-                    smoothing = smoothing_vectors(
-                        None, config, tokens, source=source, rotation=rotation, group_size=group
-                    )
+                smoothing = _smoothing(partial, stages, config, tokens, source, rotation, group)
             vectors = (smoothing.vectors or None) if smoothing is not None else None
             summary = {
                 "source": source.name,
@@ -147,12 +212,15 @@ def convert(
                 stages=stages,
                 progress=True,
                 per_linear=per_linear,
+                resume=partial,
             )
             source.close()
             mx.clear_cache()  # the build's cached MLX buffers, before the next stage's
             with stages("draft_vocab"):
                 draft = build_draft_vocab(tmp, tokens, draft_vocab)
+            partial.close(finished=True)  # the record and segments go; the package is complete
     finally:
+        partial.close(finished=False)
         stages.close()
     layers = [s for n, s in per_linear.items() if n != "lm_head"]
     return {
@@ -174,6 +242,7 @@ def convert(
 
 __all__ = [
     "OutputError",
+    "ResumeError",
     "atomic_directory",
     "check_output",
     "convert",

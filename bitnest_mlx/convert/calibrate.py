@@ -117,12 +117,29 @@ class Calibration:
         chunk_tokens: int = CHUNK_TOKENS,
     ):
         assert tokens.ndim == 2, "calibration tokens are [n_seq, seq_len]"
-        self.spec, self.had_k, self.norms = spec, had_k, dict(norms or {})
-        seq_len = tokens.shape[1]
-        self.chunk = max(1, chunk_tokens // seq_len)  # sequences per chunk
         h = embed[mx.array(tokens)].astype(mx.float32)
-        self.h = np.array(h)  # [n_seq, seq_len, D]
+        self._setup(spec, np.array(h), had_k, norms, chunk_tokens)
         del h
+
+    def _setup(self, spec, hidden, had_k, norms, chunk_tokens) -> None:
+        self.spec, self.had_k, self.norms = spec, had_k, dict(norms or {})
+        self.chunk = max(1, chunk_tokens // hidden.shape[1])  # sequences per chunk
+        self.h = hidden  # [n_seq, seq_len, D] float32
+
+    @classmethod
+    def resumed(
+        cls,
+        spec: PackageSpec,
+        hidden: np.ndarray,
+        had_k: np.ndarray | None = None,
+        norms: Mapping[str, np.ndarray] | None = None,
+        chunk_tokens: int = CHUNK_TOKENS,
+    ) -> Calibration:
+        """The calibration as it stood after a finished layer: `hidden` [n_seq, seq_len, D] are
+        the states entering the next one (saved by a resumable conversion), the rest as above."""
+        calibration = cls.__new__(cls)
+        calibration._setup(spec, hidden, had_k, norms, chunk_tokens)
+        return calibration
 
     def _chunks(self):
         for s in range(0, len(self.h), self.chunk):

@@ -4,8 +4,9 @@
 contains an input, or that already holds files (unless replacing it was asked for).
 `atomic_directory` gives the writer a hidden sibling of the output (`.NAME.partial-XXXXXXXX`) and
 renames it into place only when the body has finished; an exception or a KeyboardInterrupt
-removes it. A process killed outright (SIGKILL) can leave only that hidden sibling behind, never
-a half package under the output's name.
+removes it, unless a resumable conversion has finished layers in it (`resume.py`: then it stays
+for the next run). A process killed outright (SIGKILL) can leave only that hidden sibling behind,
+never a half package under the output's name.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -120,7 +121,13 @@ def _install(new: Path, out: Path, replace: bool) -> None:
 
 
 @contextmanager
-def atomic_directory(out: str | Path, *, replace: bool = False) -> Iterator[Path]:
+def atomic_directory(
+    out: str | Path,
+    *,
+    replace: bool = False,
+    into: Path | None = None,
+    keep: Callable[[], bool] | None = None,
+) -> Iterator[Path]:
     """Yield a new empty hidden sibling of `out` to write into; when the body returns, rename it
     to `out`. On any exception (KeyboardInterrupt and SystemExit included) the sibling is removed
     and `out` is as it was.
@@ -128,19 +135,24 @@ def atomic_directory(out: str | Path, *, replace: bool = False) -> Iterator[Path
     `out` may be absent or an empty directory. A non-empty `out` is refused (OutputError) unless
     `replace`: then it is renamed aside, the new directory renamed in, and the old one deleted.
     Its parent directories are created as needed.
+
+    A resumable conversion (`resume.py`) passes `into`, an existing sibling to continue in
+    instead of a new one, and `keep`: when it says so on an exception, the sibling stays, for
+    the next run to resume.
     """
     out = Path(os.path.abspath(out))  # no symlink resolution: a linked `out` is replaced itself
     out.parent.mkdir(parents=True, exist_ok=True)
-    while True:
+    tmp = into
+    while tmp is None:
         tmp = _sibling(out, "partial")
         try:
             tmp.mkdir()  # plain mkdir: the package gets the umask's permissions, like any folder
-            break
         except FileExistsError:  # another process took the name in between
-            continue
+            tmp = None
     try:
         yield tmp
         _install(tmp, out, replace)
     except BaseException:
-        _remove(tmp)
+        if keep is None or not keep():
+            _remove(tmp)
         raise

@@ -29,6 +29,7 @@ from ..formats.hadamard import hadamard_k, split_k
 from .calibrate import Calibration
 from .methods import Method
 from .package import layer_names, stored_embedding, stored_head, stored_layer
+from .resume import Partial
 from .rotation import Rotation
 from .sources import Source
 from .stages import Stages
@@ -93,6 +94,7 @@ def build(
     progress: bool = False,
     per_linear: dict[str, dict] | None = None,
     shard_bytes: int = 2 * 2**30,
+    resume: Partial | None = None,
 ) -> Path:
     """Write `source` (a `sources.Source`) as a package in `out_dir`.
 
@@ -100,10 +102,15 @@ def build(
     `quantize(name, w)` callback overrides it (no calibration); neither: RTN. `smoothing` is the
     norms' vectors (already chosen). `per_linear` (a dict) receives each Linear's diagnostics.
     `notes` is the manifest's `conversion` block, or a function giving it once every Linear is
-    quantized (so it can hold the diagnostics and the stages' resources)."""
+    quantized (so it can hold the diagnostics and the stages' resources).
+
+    `resume` (the partial folder `out_dir` is, `resume.py`) records each finished layer and
+    continues after those it already holds: their tensors, diagnostics and the calibration's
+    hidden states come from its record, and they are not computed again."""
     own_stages = Stages() if stages is None else None
     stages = stages or own_stages
     pool: LinearPool | None = None
+    bar = None
     try:
         config = source.config  # completed by the source: head_dim, kv heads, RoPE
         group = _check_source(source, config, group_size)
@@ -163,27 +170,23 @@ def build(
             kv_group=kv_group,
             norms=None if smoothing is None else dict(smoothing),
             shard_bytes=shard_bytes,
+            segment_dir=None if resume is None else resume.folder,
         )
-        with stages("read"):
-            embed_f32 = stored_embedding(source, rotation)
-            embed = mx.array(embed_f32).astype(mx.bfloat16)
-            mx.eval(embed)
-            del embed_f32
-        with stages("write"):
-            writer.add("model.embed_tokens.weight", embed)
+        start = 0 if resume is None else resume.layers_done
+        calibrated = tokens is not None and method.calibrated and quantize is None
+        calibration = (tokens if calibrated else None, had, smoothing)
+        calib = _start(writer, source, rotation, stages, resume, calibration)
+        stats.update(resume.per_linear if start else {})
         pool = LinearPool(method, group, None if quantize is None else 1)
-        calib = None
-        if tokens is not None and method.calibrated and quantize is None:
-            with stages("calibrate"):
-                calib = Calibration(writer.spec, embed, tokens, had, smoothing)
 
         bar = tqdm(
             total=n_layers + 1,
+            initial=start,
             desc=f"{method.name} {source.name}",
             unit="layer",
             disable=not progress,
         )
-        for i in range(n_layers):
+        for i in range(start, n_layers):
             p = f"model.layers.{i}."
             with stages("read"):
                 w = stored_layer(source, i, rotation, smoothing, had)
@@ -201,6 +204,10 @@ def build(
                 with stages("calibrate"):
                     calib.advance(i, planes, w)
             del w, planes
+            if resume is not None:  # layer i is on the disk, and where the next one starts
+                with stages("write"):
+                    hidden = None if calib is None else calib.h
+                    resume.save_layer(i + 1, writer.checkpoint(), stats, hidden)
             bar.update()
 
         pool.close()  # lm_head is one task: the workers' memory is better spent on it
@@ -220,10 +227,44 @@ def build(
             bar.close()
             return writer.finish(notes() if callable(notes) else notes)
     finally:
+        if bar is not None:  # ends its line: an error's message starts on a line of its own
+            bar.close()
         if pool is not None:
             pool.close()
         if own_stages is not None:
             own_stages.close()
+
+
+def _start(
+    writer: PackageWriter,
+    source,
+    rotation: Rotation | None,
+    stages: Stages,
+    resume: Partial | None,
+    calibration: tuple,
+) -> Calibration | None:
+    """The embedding given to `writer` and the calibration at the first layer; or, resuming
+    after finished layers, the writer restored and the calibration on the saved hidden states
+    (the embedding is in a saved segment already). `calibration` is Calibration's (tokens or
+    None for none, R4's had_k, the smoothing vectors)."""
+    tokens, had, smoothing = calibration
+    if resume is not None and resume.layers_done:
+        writer.restore(resume.writer_state)
+        if tokens is None:
+            return None
+        with stages("calibrate"):
+            return Calibration.resumed(writer.spec, resume.hidden(), had, smoothing)
+    with stages("read"):
+        embed_f32 = stored_embedding(source, rotation)
+        embed = mx.array(embed_f32).astype(mx.bfloat16)
+        mx.eval(embed)
+        del embed_f32
+    with stages("write"):
+        writer.add("model.embed_tokens.weight", embed)
+    if tokens is None:
+        return None
+    with stages("calibrate"):
+        return Calibration(writer.spec, embed, tokens, had, smoothing)
 
 
 def write_package(

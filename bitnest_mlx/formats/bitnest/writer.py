@@ -25,6 +25,7 @@ from .layout import (
 )
 from .numerics import GROUP_SIZE, Planes, choose_group_size
 from .sealing import write_manifest
+from .segments import fsync_file, place_shard
 from .spec import PackageSpec
 
 
@@ -156,6 +157,11 @@ class PackageWriter:
     The manifest is built up front from the config, so `spec` (what the runtime will read) is
     known before any weight is quantized: a converter calibrates with the model the package
     describes.
+
+    With `segment_dir` (a resumable conversion) `checkpoint()` saves what the writer holds as a
+    segment of the open shard there and returns the state `restore` takes back; the segments
+    stay there after `finish` (joined into the package's shards), so a conversion killed
+    while finishing can finish again from them.
     """
 
     def __init__(
@@ -173,6 +179,7 @@ class PackageWriter:
         kv_group: int | None = None,
         norms: dict[str, np.ndarray] | None = None,
         shard_bytes: int = 2 * 2**30,
+        segment_dir: str | Path | None = None,
     ):
         self.shapes = linear_shapes(config)
         try:  # the reader's rule (§2.1), checked before anything is written
@@ -180,6 +187,7 @@ class PackageWriter:
         except ValueError as e:
             raise PackageError(f"write: {e}") from None
         self.out = Path(out_dir)  # created at the first shard: a refused input leaves nothing
+        self.segment_dir = None if segment_dir is None else Path(segment_dir)
         self.config, self.tokenizer_dir, self.shard_bytes = config, tokenizer_dir, shard_bytes
         self.linears = {
             lin: {
@@ -210,7 +218,9 @@ class PackageWriter:
             self.expected |= set(norm_names(config["num_hidden_layers"]))
         self._pending: dict[str, mx.array] = {}
         self._pending_bytes = 0
-        self._shards: list[tuple[Path, list[str]]] = []
+        # Per shard its saved segments (file name, tensor names); the last shard is open.
+        self._shards: list[list[tuple[str, list[str]]]] = [[]]
+        self._open_bytes = 0  # bytes in the open shard's saved segments
         self._written: set[str] = set()
         if had_k is not None:
             self.add(f"aux.had_K.{self.k}", mx.array(had_k.astype(np.float32)))
@@ -238,8 +248,8 @@ class PackageWriter:
         mx.eval(a)
         self._pending[name] = a
         self._pending_bytes += a.nbytes
-        if self._pending_bytes >= self.shard_bytes:
-            self._flush()
+        if self._open_bytes + self._pending_bytes >= self.shard_bytes:
+            self._flush(close=True)
 
     def add_linear(self, lin: str, planes: Planes, bias: np.ndarray | None = None) -> None:
         """One Linear's planes (and bias), checked against the shapes the config implies."""
@@ -259,32 +269,64 @@ class PackageWriter:
         if lin == "lm_head":
             self.manifest["lm_head_note"] = _lm_head_note(planes)
 
-    def _flush(self) -> None:
-        if not self._pending:
-            return
-        self.out.mkdir(parents=True, exist_ok=True)
-        f = self.out / f".shard-{len(self._shards):05d}.safetensors"
-        mx.save_safetensors(str(f), self._pending, metadata={"format": "mlx"})
-        self._shards.append((f, list(self._pending)))
-        self._written |= set(self._pending)
-        self._pending, self._pending_bytes = {}, 0
+    @property
+    def _segments(self) -> Path:
+        return self.out if self.segment_dir is None else self.segment_dir
+
+    def _flush(self, close: bool = False) -> None:
+        """Save the pending tensors as a segment of the open shard; `close`: start a new shard."""
+        if self._pending:
+            self._segments.mkdir(parents=True, exist_ok=True)
+            shard = self._shards[-1]
+            name = f".shard-{len(self._shards) - 1:05d}-{len(shard):04d}.safetensors"
+            mx.save_safetensors(
+                str(self._segments / name), self._pending, metadata={"format": "mlx"}
+            )
+            if self.segment_dir is not None:  # a record will name it: it must be on the disk
+                fsync_file(self._segments / name)
+            shard.append((name, list(self._pending)))
+            self._written |= set(self._pending)
+            self._open_bytes += self._pending_bytes
+            self._pending, self._pending_bytes = {}, 0
+        if close and self._shards[-1]:
+            self._shards.append([])
+            self._open_bytes = 0
+
+    def checkpoint(self) -> dict:
+        """Save every tensor given so far; returns the JSON-able state `restore` takes."""
+        self._flush()
+        return {"shards": self._shards, "open_bytes": self._open_bytes}
+
+    def restore(self, state: dict) -> None:
+        """Continue from a `checkpoint` of a writer of the same package whose segments are in
+        `segment_dir`: the tensors saved then count as given (the aux and norm tensors this
+        writer's construction added are among them)."""
+        self._shards = [[(name, list(names)) for name, names in shard] for shard in state["shards"]]
+        self._open_bytes = state["open_bytes"]
+        self._written = {t for shard in self._shards for _, names in shard for t in names}
+        self._pending = {k: v for k, v in self._pending.items() if k not in self._written}
+        self._pending_bytes = sum(v.nbytes for v in self._pending.values())
 
     def finish(self, notes: dict | None = None) -> Path:
         self.out.mkdir(parents=True, exist_ok=True)
-        self._flush()
+        self._flush(close=True)
         missing = sorted(self.expected - self._written)
         if missing:
             raise PackageError(f"write: tensor {missing[0]} was never given")
-        if len(self._shards) == 1:
-            files = [self.out / "model.safetensors"]
-            self._shards[0][0].rename(files[0])
+        shards = [shard for shard in self._shards if shard]
+        if len(shards) == 1:
+            names = ["model.safetensors"]
         else:
-            files, weight_map = [], {}
-            for i, (f, names) in enumerate(self._shards):
-                final = self.out / f"model-{i + 1:05d}-of-{len(self._shards):05d}.safetensors"
-                f.rename(final)
-                files.append(final)
-                weight_map.update(dict.fromkeys(names, final.name))
+            names = [
+                f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+            ]
+        weight_map = {}
+        for shard, name in zip(shards, names):
+            parts = [self._segments / segment for segment, _ in shard]
+            place_shard(parts, self.out / name, keep=self.segment_dir is not None)
+            weight_map.update({t: name for _, tensors in shard for t in tensors})
+        files = [self.out / name for name in names]
+        if len(shards) > 1:
             index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
             (self.out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         if notes is not None:
