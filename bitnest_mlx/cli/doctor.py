@@ -35,6 +35,8 @@ from ..demo import demo_path
 from ..loader import load
 from ..sampling import make_sampler
 from .args import positive_int
+from .blas import INSTALL
+from .blas import status as openblas_status
 from .doctor_kernels import run_checks
 from .doctor_verify import markdown as verify_markdown
 from .doctor_verify import verify_report
@@ -90,6 +92,7 @@ def system() -> dict:
         "mlx_lm": _version("mlx-lm"),
         "bitnest_mlx": _version("bitnest-mlx"),
         "metal": metal,
+        "openblas": openblas_status(),
     }
 
 
@@ -181,6 +184,15 @@ def _num(x: float | None, fmt: str = ".1f") -> str:
     return "—" if x is None else format(x, fmt)
 
 
+def _openblas_row(found: str | None) -> list[str]:
+    """The system table's OpenBLAS line (Linux only: elsewhere MLX uses Accelerate)."""
+    if found is None:
+        return []
+    if found == "missing":
+        found = f"missing: a conversion's calibration runs about 10x slower; {INSTALL}"
+    return [f"| OpenBLAS | {found} |"]
+
+
 def markdown(r: dict) -> str:
     s, k, d = r["system"], r["kernels"], r["decode"]
     peak = f" (peak {s['peak_gbs']} GB/s)" if s["peak_gbs"] else ""
@@ -195,6 +207,7 @@ def markdown(r: dict) -> str:
         f"| Python / MLX / mlx-lm / bitnest-mlx | {s['python']} / {s['mlx']} / {s['mlx_lm']} / "
         f"{s['bitnest_mlx']} |",
         f"| Metal | {'yes' if s['metal'] else 'no'} |",
+        *_openblas_row(s["openblas"]),
         "",
         f"## Kernels (runner: {k['runner'] or 'none'})",
         "",
