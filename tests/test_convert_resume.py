@@ -18,8 +18,9 @@ from bitnest_mlx.cli.convert import main
 from bitnest_mlx.convert import ResumeError, checkpoint, convert, pipeline
 from bitnest_mlx.convert.calibrate import Calibration
 from bitnest_mlx.convert.methods import Method
-from bitnest_mlx.convert.resume import RECORD, RESUME_DIR
+from bitnest_mlx.convert.resume import RECORD, RESUME_DIR, _try_lock
 from bitnest_mlx.convert.stages import Stages
+from bitnest_mlx.formats.bitnest import read
 
 LAYERS = 3
 CALIB = ["--calib-tokens", "1024", "--calib-seq-len", "64"]
@@ -64,6 +65,7 @@ def reference(ckpt, tmp_path_factory) -> dict[str, str]:
         mp.setitem(pipeline.build.__kwdefaults__, "shard_bytes", 2**20)
         convert(out=out, hf_path=ckpt, scratch=out.parent, **SETTINGS)
     assert (out / "model.safetensors.index.json").is_file()
+    read(out)  # every rule of the format, the joined shards' framing and checksums included
     return digest(out)
 
 
@@ -251,3 +253,33 @@ def test_a_crash_keeps_the_finished_layers_and_says_so(ckpt, tmp_path, monkeypat
     assert err[-2] == "error: disk full"
     assert err[-1].startswith("note: 2 finished layers are kept in") and "resumes" in err[-1]
     assert record(out)["layers_done"] == 2
+
+
+def test_a_partial_another_run_is_writing_is_left_alone(ckpt, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "pkg"
+    interrupted_rtn(ckpt, out, monkeypatch, capsys)
+    lock = _try_lock(partial_of(out) / RESUME_DIR)  # as the other process would hold it
+    try:
+        with pytest.raises(ResumeError, match="being written by another conversion"):
+            convert(out=out, hf_path=ckpt, method="rtn", scratch=tmp_path, fresh=True)
+    finally:
+        os.close(lock)
+    assert record(out)["layers_done"] == 1
+
+
+def test_a_smoothed_conversion_resumes_with_its_kept_search(ckpt, tmp_path, monkeypatch):
+    """--smooth: the search ran once, before layer 0; the resumed run reads its result back."""
+    settings = {"method": "rtn", "smooth": True, "calib_tokens": 1024, "calib_seq_len": 64}
+    convert(out=tmp_path / "ref", hf_path=ckpt, scratch=tmp_path, **settings)
+    out = tmp_path / "pkg"
+    with monkeypatch.context() as mp:
+        stop_at_layer(mp, 2, KeyboardInterrupt())
+        with pytest.raises(KeyboardInterrupt):
+            convert(out=out, hf_path=ckpt, scratch=tmp_path, **settings)
+    assert "smoothing" in record(out)
+    monkeypatch.setattr(
+        "bitnest_mlx.convert.smoothing_vectors", lambda *a, **k: pytest.fail("searched again")
+    )
+    convert(out=out, hf_path=ckpt, scratch=tmp_path, **settings)
+    assert digest(out) == digest(tmp_path / "ref")
+    assert json.loads((out / "bitnest.json").read_text())["norms"].get("smoothing") is True

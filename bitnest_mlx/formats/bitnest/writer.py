@@ -295,7 +295,8 @@ class PackageWriter:
     def checkpoint(self) -> dict:
         """Save every tensor given so far; returns the JSON-able state `restore` takes."""
         self._flush()
-        return {"shards": self._shards, "open_bytes": self._open_bytes}
+        shards = [[(name, list(names)) for name, names in shard] for shard in self._shards]
+        return {"shards": shards, "open_bytes": self._open_bytes}  # a copy: the writer goes on
 
     def restore(self, state: dict) -> None:
         """Continue from a `checkpoint` of a writer of the same package whose segments are in
