@@ -102,12 +102,26 @@ class ExpertTraffic:
         return dense + self.share * union / self.top_k * weights(rows * self.top_k / union)
 
 
-# DeepSeek-V4-Flash's verify traffic. PLACEHOLDER: filled in from examples/dsv4_expert_union.py.
+# DeepSeek-V4-Flash's verify traffic (docs/speculative.md, "DeepSeek-V4 bundles: n-gram drafts
+# and the expert union"; examples/dsv4_expert_union.py). share: routed-expert bytes of one
+# token (6 experts x 43 layers, the q3.4 bit plan: 2.760 GB) over all its weight bytes (dense
+# affine 8-bit g32, head, one embedding row: 7.766 GB more). union: distinct experts per layer
+# of M consecutive tokens, measured from the routing of a synthetic bundle at Flash's
+# dimensions (make-bundle --layers 3 --first-layer 2: hash layer 2, learned-gate layers 3 and
+# 4, random weights) on 4 x 384 ids of the workload prompts (Qwen2.5's tokenizer), weighted as
+# Flash's 3 hash and 40 learned layers. Random-weight routing is nearly independent per token
+# (16 tokens: 70.6 experts against 80.8 for independent draws); a trained router's consecutive
+# tokens likely share more experts (not measured: no trained weights here), so read it as a
+# pessimistic estimate of what a verify pass reads.
 DSV4_FLASH = ExpertTraffic(
-    share=0.3,
+    share=0.2622,
     top_k=6,
     n_experts=256,
-    union={m: 256 * (1 - (1 - 6 / 256) ** m) for m in range(1, 17)},
+    union={
+        **{1: 6.0, 2: 11.78, 3: 17.3, 4: 22.55, 5: 27.58, 6: 32.39, 7: 36.94, 8: 41.33},
+        **{9: 45.54, 10: 49.58, 11: 53.42, 12: 57.14, 13: 60.67, 14: 64.08, 15: 67.37},
+        16: 70.56,
+    },
 )
 
 

@@ -157,7 +157,7 @@ def test_useless_copies_make_the_controller_fall_back_to_target_steps(model):
     assert forced.accepted == 0 and forced.rounds >= n - 3  # a copy almost every round, never right
     assert rounds_speedup(forced.round_log, cost) < 0.8
     fell = go(fallback=True)
-    assert fell.fallback and fell.target_steps >= n - 4
+    assert fell.fallback and fell.target_steps >= n - 6  # a few copies while the prior decays
     assert rounds_speedup(fell.round_log, cost) >= 0.95
 
 
