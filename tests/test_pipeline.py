@@ -146,3 +146,21 @@ def test_generate_cli_pipeline_prints_the_single_process_text(ring, bundle, tmp_
     piped = json.loads(results[0].stdout)
     assert (piped["text"], piped["tokens"]) == (single["text"], single["tokens"])
     assert results[1].stdout == ""
+
+
+def test_generate_cli_pipeline_speculates_with_copies_as_one_process(
+    ring, bundle, tmp_path, capsys
+):
+    """n-gram speculation under two ranks: every rank plans the same rounds (fixed costs, the
+    same logits), verifies and rolls back its own layers' caches; rank 0 prints what one
+    process prints, copies included."""
+    argv = ["--model", str(bundle), "--prompt", "abcdabcdabcdab", "--ignore-chat-template"]
+    argv += ["--max-tokens", "12", "--mode", "speculative", "--draft-source", "ngram", "--json"]
+    results = launch(["-m", "bitnest_mlx.generate", *argv, "--pipeline"], tmp_path)
+    _check(results)
+    assert generate.main(argv) == 0
+    single = json.loads(capsys.readouterr().out)
+    piped = json.loads(results[0].stdout)
+    assert (piped["text"], piped["tokens"]) == (single["text"], single["tokens"])
+    assert piped["stats"]["sources"] == single["stats"]["sources"]
+    assert piped["stats"]["sources"]["ngram"]["drafted"] > 0
