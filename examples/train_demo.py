@@ -40,12 +40,15 @@ from mlx_lm.models import llama
 LICENSES = Path("/usr/share/common-licenses")
 HELD_OUT = "Artistic"  # never trained on: docs/eval.md's perplexity text
 EOS = "<|endoftext|>"
-# The demo never saw a conversation: its chat template joins the turns (system, user, assistant)
-# as paragraphs of text, the form of its training corpus, so a reply continues the text in the
-# licenses' style. It exists so that chat, the server's chat endpoint and --system-prompt behave.
+# The demo never saw a conversation: its chat template lays the turns out as plain text, the form
+# of its training corpus (Debian's license texts), a reply continuing the user's text and a blank
+# line after each reply (and after the system message). So the model continues what it is given,
+# which is all it can do. It exists so that chat, the server's chat endpoint and --system-prompt
+# behave.
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
-    "{{ message['content'] }}{{ '\\n\\n' }}"
+    "{{ message['content'] }}"
+    "{%- if message['role'] != 'user' -%}{{ '\\n\\n' }}{%- endif -%}"
     "{%- endfor -%}"
 )
 SHIPPED = Path(__file__).resolve().parents[1] / "bitnest_mlx" / "demo_model"

@@ -181,8 +181,9 @@ def test_chat_replies_per_turn_resets_and_exits_on_piped_input(monkeypatch, caps
     replies = [line for line in err.splitlines() if line.startswith("[target]")]
     # The second turn prefills only what the cache lacks; after /reset the same turn is whole.
     first, second, third = (int(line.split("prompt: ")[1].split()[0]) for line in replies)
-    assert second < first + 8  # not the first turn and its 8-token reply again
     _, tokenizer = bitnest_mlx.load("demo")
+    # Fewer than the first turn, its 8-token reply and the new turn: the cache kept a prefix.
+    assert second < first + 8 + len(tokenizer.encode("\n\nThe river"))
     fresh = [{"role": "user", "content": "The river"}]
     assert third == len(tokenizer.apply_chat_template(fresh, add_generation_prompt=True))
 
@@ -279,3 +280,54 @@ def test_the_eval_report_is_sections_of_words_with_each_number_once(tmp_path, ca
     assert "{" not in out and "'" not in out  # no Python dict or repr
     assert out.count("ppl ") == 1 + 2  # the target once, then each draft KV reading
     assert out.startswith("eval of demo on ")
+
+
+def test_max_kv_size_caps_prompt_plus_output_with_a_note(capsys):
+    argv = ("--prompt", "The river", "--max-tokens", "40", "--json", "--mode", "target")
+    _, out, _ = run(capsys, generate, *argv)
+    prompt_tokens = json.loads(out)["stats"]["prompt_tokens"]
+    code, out, err = run(capsys, generate, *argv, "--max-kv-size", str(prompt_tokens + 6))
+    assert code == 0 and len(json.loads(out)["tokens"]) == 6
+    assert (
+        f"capped at 6: the prompt's {prompt_tokens} tokens leave that much of --max-kv-size" in err
+    )
+    code, _, err = run(capsys, generate, *argv, "--max-kv-size", "3")
+    assert code == 2 and "holds 3" in err
+
+
+def test_a_prompt_cache_file_from_mlx_lm_cache_prompt_continues_exactly(tmp_path, capsys):
+    cached, query = "Permission is hereby granted, free of charge, to any person", " or entity"
+    file = tmp_path / "prefix.safetensors"
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_lm", "cache_prompt", "--model", str(demo_path())]
+        + ["--prompt", cached, "--prompt-cache-file", str(file)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    common = ("--max-tokens", "12", "--temp", "0", "--json")
+    _, whole, _ = run(capsys, generate, "--prompt", cached + query, *common)
+    for mode in ("target", "speculative"):
+        code, out, err = run(
+            capsys,
+            generate,
+            "--prompt-cache-file",
+            str(file),
+            "--prompt",
+            query,
+            "--mode",
+            mode,
+            *common,
+        )
+        assert code == 0, err
+        assert json.loads(out)["tokens"] == json.loads(whole)["tokens"], mode
+    from bitnest_mlx.demo import demo_bundle_path
+
+    code, _, err = run(
+        capsys, generate, "--model", str(demo_bundle_path()), "--prompt-cache-file", str(file)
+    )
+    assert code == 2 and "DeepSeek-V4 bundle" in err
+    (tmp_path / "junk.safetensors").write_bytes(b"not a file")
+    code, _, err = run(capsys, generate, "--prompt-cache-file", str(tmp_path / "junk.safetensors"))
+    assert code == 2 and "not a prompt-cache file" in err and err.count("\n") == 1
