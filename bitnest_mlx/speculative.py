@@ -245,6 +245,8 @@ def speculative_generate_step(
         raise ValueError(f"rule must be one of {RULES}, not {rule!r}")
     if draft_source not in DRAFT_SOURCES:
         raise ValueError(f"draft_source must be one of {DRAFT_SOURCES}, not {draft_source!r}")
+    if prompt.size == 0:
+        raise ValueError("the prompt is empty: generation starts from at least one token")
     if not getattr(model, "supports_draft", True):  # one precision (DeepSeek-V4): copies only
         adapted = draftless.adapt(model, draft_source, ngram_tokens, cost_model, prompt_cache)
         (model, draft_source, cost_model), draft_kv = adapted, 8  # 8: no draft KV policy to read
