@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +87,27 @@ def test_upload_refuses_a_folder_or_eval_file_it_cannot_describe_in_one_line(hub
     assert upload_cli.main([str(demo_path()), "me/x", "--eval-json", str(bad)]) == 2
     assert "not the output of `eval --json`" in capsys.readouterr().err
     assert hub.commits == []
+
+
+def test_convert_upload_repo_publishes_the_new_package(hub, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from factory import tiny_hf
+
+    from bitnest_mlx.cli import convert as convert_cli
+    from bitnest_mlx.demo import write_tokenizer
+
+    tiny_hf("llama").save_pretrained(tmp_path / "hf")
+    write_tokenizer(tmp_path / "hf")
+    calib = tmp_path / "calib.txt"
+    calib.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    argv = ["--hf-path", str(tmp_path / "hf"), "--out", str(tmp_path / "pkg"), "--calib"]
+    argv += [str(calib), "--calib-tokens", "256", "--calib-seq-len", "64"]
+    assert convert_cli.main([*argv, "--upload-repo", "me/tiny"]) == 0, capsys.readouterr().err
+    assert "uploaded" in capsys.readouterr().err
+    (commit,) = hub.commits
+    assert "README.md" in commit["files"] and "bitnest.json" in commit["files"]
+    remote, _ = bitnest_mlx.load("me/tiny")
+    assert remote.supports_draft

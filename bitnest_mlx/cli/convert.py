@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace an existing non-empty --out (removed only once the new package is complete)",
     )
     p.add_argument(
+        "--upload-repo",
+        metavar="ORG/NAME",
+        help="then publish the package to this Hub repo with a model card, as bitnest-upload "
+        "does (as mlx_lm.convert --upload-repo; default: no upload)",
+    )
+    p.add_argument(
         "--fresh",
         action="store_true",
         help="delete an interrupted conversion to the same --out (its hidden .NAME.partial-* "
@@ -261,6 +267,20 @@ def main(argv: list[str] | None = None) -> int:
     summary["seconds"] = round(time.perf_counter() - tic, 1)
     print(json.dumps(summary, indent=2))
     print(_stages_line(summary), file=sys.stderr)
+    return publish(args) if args.upload_repo else 0
+
+
+def publish(args: argparse.Namespace) -> int:
+    """--upload-repo: the package just written goes to the Hub with its model card."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from ..publish import PublishError, upload
+
+    try:
+        url = upload(args.out, args.upload_repo)
+    except (PublishError, OSError, HfHubHTTPError) as e:
+        return refuse(f"the package is written to {args.out}, but the upload failed: {e}")
+    print(f"uploaded {args.out} to {url}", file=sys.stderr)
     return 0
 
 
