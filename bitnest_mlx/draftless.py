@@ -1,10 +1,11 @@
 """Models with one set of weights (DeepSeek-V4 bundles) in the speculative loop: n-gram drafts.
 
-`speculative.speculative_generate_step` calls a bitnest model as `model(x, cache, mode,
-options=...)` and drafts with its W4 plane. A model with `supports_draft = False` has no draft
-plane: only copies from the context (`prompt_lookup`) can draft for it, and a round is a copy
-or a target-only step. `adapt` is the one bridge between the two conventions; everything
-else (the plan, the accept rules, `commit`'s rollback) is the loop's own.
+`speculative.speculative_generate_step` calls a model as `model(x, cache, mode, options=...)`
+(both families take that call) and drafts with its W4 plane. A model with
+`supports_draft = False` has no draft plane: only copies from the context (`prompt_lookup`) can
+draft for it, and a round is a copy or a target-only step. `adapt` is the one bridge: it
+refuses draft calls and makes caches that roll back a whole copy; everything else (the plan,
+the accept rules, `commit`'s rollback) is the loop's own.
 
 Its round costs are fixed, not timed: a draftless run never drafts with a model, so the timed
 controller would only ever see 1-row and copy-length passes, and a MoE's verify cost is the
@@ -42,22 +43,28 @@ def bundle_cost() -> CostModel:
 
 
 class TargetOnly:
-    """A draftless model under the bitnest call convention: "target" calls only, options
-    ignored (the model has one precision), caches that roll back `max_rollback` tokens."""
+    """A draftless model in the speculative loop: "target" calls only (its options passed on),
+    caches that roll back `max_rollback` tokens."""
 
     supports_draft = False
 
     def __init__(self, model: nn.Module, max_rollback: int):
         self.model, self.max_rollback = model, max_rollback
         self.args = model.args
-        self.options = RunOptions()
+
+    @property
+    def options(self) -> RunOptions:
+        """The model's own call defaults (as loaded: `BITNEST_MLX_KERNELS` included)."""
+        return self.model.options
 
     def __call__(
         self, x: mx.array, cache: list, mode: str = "target", options: RunOptions | None = None
     ) -> mx.array:
         if mode != "target":
             raise NoDraftError(f"a model without a draft plane has no {mode!r} reading")
-        return self.model(x, cache)
+        if options is None:  # the model's own defaults; any (inputs, cache) callable serves
+            return self.model(x, cache)
+        return self.model(x, cache, options=options)
 
     def make_cache(self, options: RunOptions | None = None) -> list:
         return self.model.make_cache(max_rollback=self.max_rollback)

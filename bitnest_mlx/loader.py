@@ -223,27 +223,16 @@ def load_model(path: str | Path, dtype: mx.Dtype | None = None, verify: bool = F
 
 def _switched(model: nn.Module, options: RunOptions) -> nn.Module:
     """The process-wide choices read once per load (`at_load`: BITNEST_MLX_KERNELS) and kept by
-    the model: in its RunOptions (bitnest), or in its MXTQ layers (DeepSeek-V4, no options)."""
-    options = at_load(options)
-    if model.supports_draft:
-        model.options = options
-    else:
-        from .layers.mxtq_linear import allow_kernels
-
-        allow_kernels(model, options.use_kernels)
+    the model as its call defaults, `model.options`: both families take RunOptions per call."""
+    model.options = at_load(options)
     return model
 
 
 def uses_kernels(model: nn.Module) -> bool:
     """Whether `model` may route to the Metal kernels (as loaded; they still need Metal).
     False for a model that is not ours (an mlx-lm model has no bitnest kernels)."""
-    if getattr(model, "supports_draft", None) is None:
-        return False
-    if model.supports_draft:
-        return model.options.use_kernels
-    from .layers.mxtq_linear import kernels_allowed
-
-    return kernels_allowed(model)
+    options = getattr(model, "options", None)
+    return isinstance(options, RunOptions) and options.use_kernels
 
 
 def load(
@@ -259,10 +248,10 @@ def load(
     `org/repo[@revision]`, or "demo": the demo package shipped with bitnest_mlx).
 
     Returns (model, tokenizer): an mlx-lm style model and mlx-lm's TokenizerWrapper (None when
-    the directory has no tokenizer files). Models with `supports_draft` (bitnest packages) get
-    `options` (default: RunOptions(mode=mode)) as their call defaults; others have one precision
-    and ignore both. `BITNEST_MLX_KERNELS=0` in the environment now turns the kernels off for
-    this model (`layers.options.at_load`).
+    the directory has no tokenizer files). Every model gets `options` (default:
+    RunOptions(mode=mode)) as its call defaults; a model with one precision (DeepSeek-V4) reads
+    the same weights whatever the mode. `BITNEST_MLX_KERNELS=0` in the environment now turns the
+    kernels off for this model (`layers.options.at_load`).
 
     `pipeline`: split the layers over the group's ranks (mlx-lm's pipeline convention,
     layers/pipeline.py); this rank loads and runs its share only, and every rank returns the

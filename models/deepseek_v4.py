@@ -25,6 +25,7 @@ from bitnest_mlx.formats.dsv4_config import DSV4Config
 from bitnest_mlx.layers.dsv4_cache import DSV4Cache
 from bitnest_mlx.layers.dsv4_ops import PartialRoPE, fp8_fake_quant, swiglu_clamped
 from bitnest_mlx.layers.mxtq_linear import MXTQSwitchLinear, routed_glu
+from bitnest_mlx.layers.options import RunOptions
 from bitnest_mlx.layers.pipeline import PipelineStage
 
 from .deepseek_v4_attention import Compressor, Indexer
@@ -190,15 +191,24 @@ class SwitchMLP(nn.Module):
         self.up_proj = SwitchLinear(d, h, e, bias=False)
         self.down_proj = SwitchLinear(h, d, e, bias=False)
 
-    def __call__(self, x: mx.array, idx: mx.array, w: mx.array, limit: float) -> mx.array:
+    def __call__(
+        self, x: mx.array, idx: mx.array, w: mx.array, limit: float, use_kernels: bool = True
+    ) -> mx.array:
         """down(w · swiglu_clamped(gate(x), up(x))) per routed slot: x [..., 1, 1, D] float32,
-        idx and route weights w [..., K] -> [..., K, 1, D] float32."""
+        idx and route weights w [..., K] -> [..., K, 1, D] float32. `use_kernels`: the call's
+        RunOptions.use_kernels (MXTQ experts only; float experts have no kernel)."""
         projs = (self.gate_proj, self.up_proj, self.down_proj)
         if all(isinstance(p, MXTQSwitchLinear) for p in projs):
-            return routed_glu(*projs, x, idx, w, limit)
-        h = swiglu_clamped(self.gate_proj(x, idx), self.up_proj(x, idx), limit)
+            return routed_glu(*projs, x, idx, w, limit, use_kernels)
+
+        def proj(p: nn.Module, x: mx.array) -> mx.array:
+            if isinstance(p, MXTQSwitchLinear):  # a bundle may store some projections float
+                return p(x, idx, use_kernels=use_kernels)
+            return p(x, idx)
+
+        h = swiglu_clamped(proj(self.gate_proj, x), proj(self.up_proj, x), limit)
         # The route weight scales the activation before down_proj, as in the reference.
-        return self.down_proj(h * w[..., None, None], idx)
+        return proj(self.down_proj, h * w[..., None, None])
 
 
 class MoE(nn.Module):
@@ -211,10 +221,10 @@ class MoE(nn.Module):
             args.hidden_size, args.moe_intermediate_size * args.n_shared_experts, self.limit
         )
 
-    def __call__(self, x: mx.array, ids: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, ids: mx.array, use_kernels: bool = True) -> mx.array:
         idx, w = self.gate(x, ids)
         xe = x.astype(mx.float32)[..., None, None, :]  # [B, L, 1, 1, D]
-        y = self.switch_mlp(xe, idx, w, self.limit).squeeze(-2).sum(axis=-2)
+        y = self.switch_mlp(xe, idx, w, self.limit, use_kernels).squeeze(-2).sum(axis=-2)
         return (y + self.shared_experts(x).astype(mx.float32)).astype(x.dtype)
 
 
@@ -269,17 +279,21 @@ class Block(nn.Module):
         mixed = comb.swapaxes(-1, -2) @ streams.astype(mx.float32)
         return (post[..., None] * y[:, :, None].astype(mx.float32) + mixed).astype(streams.dtype)
 
-    def __call__(self, streams: mx.array, ids: mx.array, cache: DSV4Cache, qat: bool):
+    def __call__(self, streams: mx.array, ids: mx.array, cache: DSV4Cache, o: RunOptions):
         x, post, comb = self._hc_pre(streams, "attn")
-        streams = self._hc_post(self.attn(self.attn_norm(x), cache, qat), streams, post, comb)
+        streams = self._hc_post(self.attn(self.attn_norm(x), cache, o.qat), streams, post, comb)
         x, post, comb = self._hc_pre(streams, "ffn")
-        return self._hc_post(self.ffn(self.ffn_norm(x), ids), streams, post, comb)
+        y = self.ffn(self.ffn_norm(x), ids, o.use_kernels)
+        return self._hc_post(y, streams, post, comb)
 
 
 class Model(nn.Module):
     """mlx-lm style: `model(inputs [B, T], cache) -> logits [B, T, V]` for every position.
 
-    `qat = True` turns on the reference's QAT simulation (FP8 KV, Hadamard + FP4 indexer).
+    The call convention is the bitnest model's: `options` (RunOptions) are the defaults of every
+    call (the loader sets them), a call may pass its own. This model reads `use_kernels` (the
+    MXTQ experts' Metal kernels or the pure path) and `qat` (the reference's QAT simulation: FP8
+    KV, Hadamard + FP4 indexer); it has one precision, so every `mode` reads the same weights.
     `pipeline(group)` keeps one rank's share of the layers (bitnest_mlx/layers/pipeline.py).
     """
 
@@ -298,7 +312,7 @@ class Model(nn.Module):
         self.hc_head_fn = mx.zeros((hc, hc * args.hidden_size))
         self.hc_head_base = mx.zeros((hc,))
         self.hc_head_scale = mx.ones((1,))
-        self.qat = False
+        self.options = RunOptions()
         self.stage = PipelineStage.whole(args.num_hidden_layers)
 
     def pipeline(self, group: mx.distributed.Group, split: list[int] | None = None) -> None:
@@ -310,8 +324,17 @@ class Model(nn.Module):
         if not stage.first:
             del self.embed
 
-    def __call__(self, inputs: mx.array, cache: list[DSV4Cache] | None = None) -> mx.array:
-        """`cache`: `make_cache()`'s list, one cache per layer this rank runs."""
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache: list[DSV4Cache] | None = None,
+        mode: str | None = None,
+        *,
+        options: RunOptions | None = None,
+    ) -> mx.array:
+        """`cache`: `make_cache()`'s list, one cache per layer this rank runs. `mode` is
+        accepted as the bitnest model takes it and changes nothing (one precision)."""
+        o = options or self.options
         if cache is None:
             cache = self.make_cache()
         a, stage = self.args, self.stage
@@ -323,7 +346,7 @@ class Model(nn.Module):
                 (*inputs.shape, a.hc_mult, a.hidden_size), self.norm.weight.dtype
             )
         for layer, c in zip(self.layers[stage.start :], cache):
-            streams = layer(streams, inputs, c, self.qat)
+            streams = layer(streams, inputs, c, o)
         streams = stage.hand_on(streams, cache[-1])
         # Final collapse: sigmoid weights only, no Sinkhorn.
         m = _hc_mix(streams, self.hc_head_fn, a.rms_norm_eps)

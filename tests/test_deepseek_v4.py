@@ -16,6 +16,7 @@ from factory import dsv4_hf_state_dict, dsv4_model
 
 from bitnest_mlx.demo import TINY_CONFIG, random_weights
 from bitnest_mlx.layers.dsv4_ops import fp4_fake_quant, fp8_fake_quant
+from bitnest_mlx.layers.options import RunOptions
 
 T, PREFILL, TOL = 300, 131, 1e-4  # PREFILL is not a multiple of 4: pending rows carry over
 
@@ -153,10 +154,10 @@ def test_fp4_fake_quant_rounds_to_nearest_even_on_the_e2m1_grid():
 
 def test_qat_switch_is_off_by_default_and_consistent_across_schedules(weights, tokens):
     model = dsv4_model(weights)
-    assert model.qat is False
+    assert model.options.qat is False
     short = tokens[:160]
     plain = np.array(model(mx.array(short)[None]))[0]
-    model.qat = True
+    model.options = RunOptions(qat=True)  # the call defaults, as the loader sets them
     full = np.array(model(mx.array(short)[None]))[0]
     chunked = _run_chunks(model, short, [61] + [3] * 33)
     assert np.abs(full - plain).max() > 1e-2  # the simulation does something

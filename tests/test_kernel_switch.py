@@ -1,14 +1,12 @@
 """`BITNEST_MLX_KERNELS` is read when a model is loaded, into that model's own switch (its
-RunOptions, or a DSV4 model's MXTQ layers), not once for the whole process."""
+RunOptions, for both families), not once for the whole process."""
 
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from bitnest_mlx import kernels, loader
-from bitnest_mlx.demo import demo_path
-from bitnest_mlx.layers.mxtq_linear import MXTQSwitchLinear
+from bitnest_mlx.demo import demo_bundle_path, demo_path
 from bitnest_mlx.layers.options import RunOptions, at_load, kernels_allowed
 
 
@@ -39,19 +37,25 @@ def test_a_model_loaded_with_kernels_off_never_asks_for_one_even_on_metal(monkey
     assert asked == []
 
 
-class _Experts(nn.Module):
-    supports_draft = False  # as DeepSeek-V4: no RunOptions, the switch lives in its MXTQ layers
-
-    def __init__(self):
-        super().__init__()
-        self.experts = [MXTQSwitchLinear(1024, 8, 2, bits=2) for _ in range(2)]
-
-
-def test_a_model_without_run_options_keeps_the_switch_in_its_mxtq_layers(monkeypatch):
-    model = _Experts()
+def test_a_deepseek_v4_model_keeps_the_switch_in_its_run_options_too(monkeypatch):
     monkeypatch.setenv("BITNEST_MLX_KERNELS", "0")
-    loader._switched(model, RunOptions())
-    assert not any(e.use_kernels for e in model.experts) and not loader.uses_kernels(model)
+    off = loader.load_model(demo_bundle_path())
+    assert not off.options.use_kernels and not loader.uses_kernels(off)
     monkeypatch.setenv("BITNEST_MLX_KERNELS", "1")
-    loader._switched(model, RunOptions())
-    assert all(e.use_kernels for e in model.experts) and loader.uses_kernels(model)
+    on = loader.load_model(demo_bundle_path())
+    assert on.options.use_kernels and loader.uses_kernels(on)
+
+
+def test_the_run_options_reach_the_mxtq_experts(monkeypatch):
+    """A DSV4 model loaded with kernels off never asks for one (its MXTQ experts get the call's
+    options, not a switch of their own); loaded with them on, its decode asks."""
+    asked = []
+    monkeypatch.setattr(kernels.dispatch, "_metal", lambda: True)
+    monkeypatch.setattr(kernels, "use", lambda name, self_test: asked.append(name) or False)
+    for env, asks in (("0", False), ("1", True)):
+        monkeypatch.setenv("BITNEST_MLX_KERNELS", env)
+        model = loader.load_model(demo_bundle_path())
+        cache = model.make_cache()
+        asked.clear()
+        mx.eval(model(mx.array([[1, 2, 3]]), cache), model(mx.array([[4]]), cache))
+        assert bool(asked) == asks

@@ -52,9 +52,6 @@ class _MXTQBase(nn.Module):
         # Derived, never stored in a bundle: underscore names keep them out of parameters().
         self._codebook = mx.array(codebook(in_features, bits))
         self._signs = mx.array(signs(in_features, seed))
-        # Whether this layer may use the kernels at all: DeepSeek-V4 models carry no RunOptions,
-        # so the loader sets it from the environment at load (`allow_kernels`).
-        self.use_kernels = True
         if 8 % bits == 0:  # whole codes per byte: the byte-table matvec applies
             cpb = 8 // bits
             fields = np.arange(cpb, dtype=np.uint32) * bits
@@ -68,10 +65,10 @@ class _MXTQBase(nn.Module):
         return self._codebook
 
     def rotate(self, x: mx.array, use_kernels: bool = True) -> mx.array:
-        """R x (float32). Modules with the same in_features and seed can share one rotated x."""
+        """R x (float32). Modules with the same in_features and seed can share one rotated x.
+        `use_kernels` is the caller's RunOptions.use_kernels: the layer keeps no switch."""
         if (
             use_kernels
-            and self.use_kernels
             and kernels.hadamard_supported(self.in_features)
             and kernels.use("hadamard", hadamard_self_test)
         ):
@@ -196,7 +193,6 @@ class MXTQSwitchLinear(_MXTQBase):
         kernel's reference)."""
         if (
             use_kernels
-            and self.use_kernels
             and x_rot.shape[-2] == 1
             and kernels.mxtq_gather_supported(x_rot[..., 0, :], indices, self.bits)
             and kernels.use("mxtq_gather", gather_self_test)
@@ -245,9 +241,17 @@ class MXTQSwitchLinear(_MXTQBase):
         y = mx.concatenate(parts)[mx.array(np.argsort(order))]
         return y.reshape(*batch, m, self.out_features)
 
-    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+    def __call__(
+        self,
+        x: mx.array,
+        indices: mx.array,
+        sorted_indices: bool = False,
+        *,
+        use_kernels: bool = True,
+    ) -> mx.array:
         # sorted_indices is accepted for SwitchGLU compatibility; both paths handle any order.
-        return self.apply_rotated(self.rotate(x), indices).astype(x.dtype)
+        y = self.apply_rotated(self.rotate(x, use_kernels), indices, use_kernels)
+        return y.astype(x.dtype)
 
 
 Routed = tuple[mx.array, mx.array, mx.array]  # (codes, norms, ids into them) of one stack
@@ -292,7 +296,6 @@ def routed_glu(
     xr = gate.rotate(x, use_kernels)
     if (
         use_kernels
-        and gate.use_kernels
         and x.shape[-2] == 1
         and x.shape[-3] == 1
         and fusable(gate, up)
@@ -311,18 +314,6 @@ def routed_glu(
         u = up.apply_rotated(xu, indices, use_kernels, stacks[1])
         h = swiglu_clamped(g, u, limit) * weights[..., None, None]
     return down.apply_rotated(down.rotate(h, use_kernels), indices, use_kernels, stacks[2])
-
-
-def allow_kernels(model: nn.Module, allowed: bool) -> None:
-    """Set every MXTQ layer's kernel permission (the loader's reading of the environment)."""
-    for _, m in model.named_modules():
-        if isinstance(m, _MXTQBase):
-            m.use_kernels = allowed
-
-
-def kernels_allowed(model: nn.Module) -> bool:
-    """Whether any MXTQ layer of `model` may use the kernels."""
-    return any(m.use_kernels for _, m in model.named_modules() if isinstance(m, _MXTQBase))
 
 
 def same_rotation(a: _MXTQBase, b: _MXTQBase) -> bool:

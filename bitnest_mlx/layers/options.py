@@ -35,6 +35,12 @@ class RunOptions:
     that the reduced draft vocabulary also scores. It lives in the options because they are
     what one generation passes down its calls; it holds that generation's state (it grows as the
     text does), so only the generation that made it refers to it and the model keeps no switch.
+    qat: DeepSeek-V4's QAT simulation (FP8 KV, Hadamard + FP4 indexer scores), as the reference
+    model runs when trained; bitnest models have no such pass and ignore it. Both families take
+    the same options so that a face or the loader never asks which family it holds.
+
+    A model with one precision (DeepSeek-V4) has one reading: it takes the options (kernels,
+    QAT) and reads its one set of weights whatever the mode.
     """
 
     mode: str = "target"
@@ -45,6 +51,7 @@ class RunOptions:
     draft_kv: int = 4
     draft_vocab: bool = True
     draft_join: Any = None  # DraftVocabJoin; typed loosely: that module imports this one
+    qat: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
