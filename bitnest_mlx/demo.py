@@ -5,9 +5,10 @@ trained from scratch on Debian's license texts and converted with bitnest_mlx.co
 examples/train_demo.py (deterministic on the CPU backend; docs/generate.md). It ships with the
 package (setup.py's package_data).
 
-DeepSeek-V4 bundle (`demo_bundle_path`): TINY_CONFIG with every feature of the family on (hash
-layers, ratios 0/4/128, an active indexer, mixed 2/4-bit experts) and random weights, which the
-DSV4 tests share; built into the cache on first use. `write_tokenizer` is the byte-level
+DeepSeek-V4 bundle (`demo_bundle_path`): TINY_CONFIG (formats/dsv4_synthetic.py, the one toy
+config) with every feature of the family on (hash layers, ratios 0/4/128, an active indexer,
+mixed 2/4-bit experts) and random weights, which the DSV4 tests share;
+built into the cache on first use. `write_tokenizer` is the byte-level
 tokenizer tiny packages use (tests, docs). Nothing here imports a model.
 """
 
@@ -22,6 +23,7 @@ import numpy as np
 
 from .formats import dsv4_bundle, dsv4_bundle_write
 from .formats.dsv4_bundle import Slot
+from .formats.dsv4_synthetic import TINY_CONFIG
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -108,56 +110,6 @@ def resolve_model(model: str | Path | None) -> str | Path:
 
 
 # ---------------------------------------------------------------- DeepSeek-V4 demo bundle
-
-# Every feature of the family at toy size: hash layers 0-2, ratios 0/4/128, index_topk smaller
-# than the compressed pool after 24 tokens, 16 indexer heads (few heads make exact score ties).
-TINY_CONFIG = {
-    "architectures": ["DeepseekV4ForCausalLM"],
-    "model_type": "deepseek_v4",
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 96,
-    "qk_rope_head_dim": 32,
-    "q_lora_rank": 32,
-    "o_lora_rank": 32,
-    "o_groups": 2,
-    "moe_intermediate_size": 32,
-    "n_routed_experts": 16,
-    "num_experts_per_tok": 4,
-    "n_shared_experts": 1,
-    "num_hash_layers": 3,
-    "routed_scaling_factor": 1.5,
-    "scoring_func": "sqrtsoftplus",
-    "norm_topk_prob": True,
-    "swiglu_limit": 10.0,
-    "sliding_window": 8,
-    "rope_theta": 10000.0,
-    "compress_rope_theta": 160000.0,
-    "rope_parameters": {
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 16.0,
-        "original_max_position_embeddings": 65536,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-    },
-    "compress_ratios": [0, 0, 4, 128, 4, 0],
-    "index_n_heads": 16,
-    "index_head_dim": 64,
-    "index_topk": 4,
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 1048576,
-    "num_nextn_predict_layers": 0,
-    "tie_word_embeddings": False,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-}
 
 # Mixed widths for the demo: hash layers at 4 bits, the rest mostly 2 (like the q3.4 seed).
 DEMO_BITS = {

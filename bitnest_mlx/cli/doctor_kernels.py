@@ -18,9 +18,8 @@ import mlx.core as mx
 
 from .. import kernels
 from ..formats.bitnest.numerics import a8_codes
-from ..layers.dsv4_ops import swiglu_clamped
 from ..layers.dual_plane import project, random_linear, swiglu
-from ..layers.mxtq_linear import random_switch, rotate_input
+from ..layers.mxtq_linear import gather_self_test, hadamard_self_test, swiglu_self_test
 from ..layers.nested_kv import nest_dequantize, nest_quantize
 from ..layers.options import RunOptions
 
@@ -100,48 +99,10 @@ def _attention(draft: bool, rows: int) -> Callable[[kernels.Runner, bool], Pair]
     return run
 
 
-def _hadamard(runner: kernels.Runner, big: bool) -> Pair:
-    rows = 512 if big else 2
-    k1, k2 = mx.random.split(mx.random.key(4))
-    x = mx.random.normal((rows, 4096), key=k1)
-    s = mx.where(mx.random.uniform(shape=(4096,), key=k2) < 0.5, -1.0, 1.0)
-    return kernels.hadamard_rotate(x, s, runner), rotate_input(x, s)
-
-
-def _routed(bits: int, fused: bool) -> Callable[[kernels.Runner, bool], Pair]:
-    """One token's routed experts at M = 1: a gather (shared x), or gate + up + SwiGLU fused."""
-
-    def run(runner: kernels.Runner, big: bool) -> Pair:
-        # 4 experts, all routed: every input byte is read, so bytes / time is the bandwidth.
-        n_in, n_out, experts = (4096, 2048, 4) if big else (1024, 40, 4)
-        idx = mx.array([[0, 2, 2, 1, 3, 0]], dtype=mx.uint32)
-        keys = mx.random.split(mx.random.key(bits), 4)
-        gate, up = (random_switch(n_in, n_out, experts, bits, keys[i]) for i in range(2))
-        gate.use_kernels = up.use_kernels = False  # the reference is the pure path
-        x = mx.random.normal((1, 1, 1, n_in), key=keys[2]) * 8
-        xr = gate.rotate(x)
-        want = gate.apply_rotated(xr, idx)[..., 0, :]
-        if not fused:
-            got = kernels.mxtq_gather_matvec(
-                xr[:, :, 0, :], idx, gate.tq_packed, gate.tq_norms, gate.codebook, bits, runner
-            )
-            return got, want
-        w = mx.random.uniform(0.1, 1.0, idx.shape, key=keys[3])
-        u = up.apply_rotated(xr, idx)[..., 0, :]
-        got = kernels.mxtq_gather_swiglu(
-            xr[:, :, 0, :],
-            idx,
-            (gate.tq_packed, gate.tq_norms),
-            (up.tq_packed, up.tq_norms),
-            gate.codebook,
-            bits,
-            0.5,
-            w,
-            runner,
-        )
-        return got, swiglu_clamped(want, u, 0.5) * w[..., None]
-
-    return run
+def _mxtq(self_test: Callable[..., Pair], **kwargs) -> Callable[[kernels.Runner, bool], Pair]:
+    """The layer's own self-test (mxtq_linear: one definition for first use and the doctor);
+    `big` there is the timed shape."""
+    return lambda runner, big: self_test(runner, big=big, **kwargs)
 
 
 CHECKS = (
@@ -150,9 +111,12 @@ CHECKS = (
     Check("dual-plane gate/up + SiLU·up epilogue", _grouped(gate_up=True)),
     Check("nested-KV attention KV4, L=1 (+ merge)", _attention(draft=True, rows=1)),
     Check("nested-KV attention KV8, L=4 (+ merge)", _attention(draft=False, rows=4)),
-    Check("Hadamard rotation d=4096", _hadamard),
-    *(Check(f"MXTQ gather {b}-bit", _routed(b, fused=False)) for b in (2, 4)),
-    *(Check(f"MXTQ gate+up+SwiGLU {b}-bit (fused)", _routed(b, fused=True)) for b in (2, 4)),
+    Check("Hadamard rotation d=4096 and 2048", _mxtq(hadamard_self_test)),
+    *(Check(f"MXTQ gather {b}-bit", _mxtq(gather_self_test, widths=(b,))) for b in (2, 4)),
+    *(
+        Check(f"MXTQ gate+up+SwiGLU {b}-bit (fused)", _mxtq(swiglu_self_test, widths=(b,)))
+        for b in (2, 4)
+    ),
 )
 
 

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..chips import PEAK_GBS
-from ..convert.defaults import GROUP_SIZE
+from ..convert.defaults import DEFAULT_GROUP_SIZE
 from ..formats.bitnest import choose_group_size, is_package, linear_shapes
 from ..formats.bitnest.reader import read_spec
 from ..formats.bitnest.spec import PackageSpec
@@ -71,7 +71,7 @@ def default_spec(checkpoint: Path) -> PackageSpec:
     f = checkpoint / "config.json"
     config = complete_hf_config(json.loads(f.read_text(encoding="utf-8")), str(f))
     shapes = linear_shapes(config)
-    group = choose_group_size({k for _, k in shapes.values()}, None, GROUP_SIZE)
+    group = choose_group_size({k for _, k in shapes.values()}, None, DEFAULT_GROUP_SIZE)
     qkv = ("q_proj", "k_proj", "v_proj") if config["model_type"] == "qwen2" else ()
     biased = {lin for lin in shapes if lin.rsplit(".", 1)[-1] in qkv}
     return PackageWriter.spec_for(

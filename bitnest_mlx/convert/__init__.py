@@ -20,7 +20,7 @@ import numpy as np
 
 from ..formats.bitnest import choose_group_size, linear_shapes
 from .calib import CALIB_TOKENS, calibration_tokens
-from .defaults import GROUP_SIZE
+from .defaults import DEFAULT_GROUP_SIZE
 from .draft_vocab import build_draft_vocab
 from .joint import W8_BUDGET
 from .methods import Method
@@ -156,7 +156,7 @@ def convert(
             config = source.config
             try:
                 group = choose_group_size(
-                    {k for _, k in linear_shapes(config).values()}, group_size, GROUP_SIZE
+                    {k for _, k in linear_shapes(config).values()}, group_size, DEFAULT_GROUP_SIZE
                 )
             except ValueError as e:
                 raise SourceError(f"{hf_path or gguf}: {e}") from e

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..formats.bitnest import (
-    GROUP_SIZE,
+    SEED_GROUP_SIZE,
     weight_scales,
 )
 from .sweep import ColumnQuantizer, Factor, column_scales, sweep
@@ -24,7 +24,7 @@ def gptq_codes(
     damp: float = 0.01,
     w8_slack: float | None = None,
     *,
-    group_size: int = GROUP_SIZE,
+    group_size: int = SEED_GROUP_SIZE,
 ) -> tuple[np.ndarray, np.ndarray]:
     """q4 codes in [-8, 7] [N, K] and fp16 scales [N, K/g] minimising ||X Wᵀ - X Ŵᵀ||, for
     groups of g = `group_size` columns.

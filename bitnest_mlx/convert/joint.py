@@ -27,7 +27,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..formats.bitnest import (
-    GROUP_SIZE,
+    SEED_GROUP_SIZE,
     Planes,
     dequantize_planes,
     planes_from_codes,
@@ -102,7 +102,7 @@ def search_scales(
     lambda_draft: float,
     rows: int | None = None,
     *,
-    group_size: int = GROUP_SIZE,
+    group_size: int = SEED_GROUP_SIZE,
 ) -> np.ndarray:
     """fp16 scales [N, K/g]: per group of g = `group_size` columns, the multiple of the W8-range
     scale (SCALE_GRID) with the lowest joint cost of rounding (`joint_round` without error
@@ -157,7 +157,7 @@ def joint_codes(
     lambda_draft: float,
     damp: float = 0.01,
     *,
-    group_size: int = GROUP_SIZE,
+    group_size: int = SEED_GROUP_SIZE,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """hi codes q4 [N, K], lo codes qr [N, K] and fp16 scales [N, K/g] for weight w [N, K]
     minimising λ·err_W4² + err_W8² (each in its own grid's steps) on the Hessian h [K, K]."""
@@ -224,7 +224,7 @@ def output_errors(w: np.ndarray, planes: Planes, h: np.ndarray) -> dict[int, flo
     )
 
 
-def rtn_errors(w: np.ndarray, h: np.ndarray, group_size: int = GROUP_SIZE) -> dict[int, float]:
+def rtn_errors(w: np.ndarray, h: np.ndarray, group_size: int = SEED_GROUP_SIZE) -> dict[int, float]:
     """`output_errors` of RTN's planes, built a chunk of rows at a time."""
     return _errors_by_rows(w, h, lambda rows: planes_from_codes(w[rows], group_size=group_size))
 
@@ -249,7 +249,7 @@ def budgeted_joint_planes(
     w8_budget: float = W8_BUDGET,
     damp: float = 0.01,
     *,
-    group_size: int = GROUP_SIZE,
+    group_size: int = SEED_GROUP_SIZE,
 ) -> tuple[Planes, float, dict[str, float]]:
     """Joint planes for the λ whose target output error just fits `w8_budget` x W8-RTN's on
     this Hessian: the target keeps the accuracy of 8-bit rounding to nearest, and the draft gets

@@ -29,7 +29,7 @@ from ..formats.bitnest.writer import PackageWriter
 from ..formats.hadamard import hadamard_k, split_k
 from .calib import CALIB_TOKENS
 from .calibrate import Calibration
-from .defaults import GROUP_SIZE
+from .defaults import DEFAULT_GROUP_SIZE
 from .package import LAYER_NORMS, stored_embedding, stored_head, stored_layer
 from .rotation import Rotation
 from .sources import Source
@@ -96,7 +96,7 @@ def norm_inputs(
         biased={n.removesuffix(".bias") for n in available if n.endswith(".bias")},
         had_k=had,
         group_size=choose_group_size(
-            [config["hidden_size"], config["intermediate_size"]], None, GROUP_SIZE
+            [config["hidden_size"], config["intermediate_size"]], None, DEFAULT_GROUP_SIZE
         ),
     )
     embed = mx.array(stored_embedding(source, rotation))
@@ -171,7 +171,9 @@ def smoothing_vectors(
     candidates = [a for a in grid if a != 0.0]
     rng = np.random.default_rng(seed)
     d_model = config["hidden_size"]
-    group = choose_group_size([d_model, config["intermediate_size"]], group_size, GROUP_SIZE)
+    group = choose_group_size(
+        [d_model, config["intermediate_size"]], group_size, DEFAULT_GROUP_SIZE
+    )
     result = Smoothing(
         settings={
             "alphas": grid,

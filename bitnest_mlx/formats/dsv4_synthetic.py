@@ -10,8 +10,9 @@ for measuring memory and speed, not text.
 
 Tensors are generated and written one at a time (expert stacks a few experts at a time) straight
 into safetensors shards of at most `max_shard_bytes`, so writing a 6 GB bundle holds tens of MB.
-`tiny=True` gives the same layout at toy dimensions for tests. No checksum block: the weights
-are noise, and hashing gigabytes at every load would only slow the measurements down.
+`tiny=True` gives the same layout at the dimensions of TINY_CONFIG (the one toy DeepSeek-V4
+config, which the demo bundle and the tests use too). No checksum block: the weights are
+noise, and hashing gigabytes at every load would only slow the measurements down.
 """
 
 from __future__ import annotations
@@ -78,24 +79,79 @@ FLASH_CONFIG: dict = {
     "mxtq_seed": 42,
 }
 
-# Toy dimensions with the same features (for tests): every shape rule of the real config holds.
-TINY_OVERRIDES: dict = {
+# The one toy DeepSeek-V4 config (the demo bundle, the DSV4 tests, `tiny=True`): every feature
+# of the family at toy size: hash layers 0-2, ratios 0/4/128, index_topk smaller
+# than the compressed pool after 24 tokens, 16 indexer heads (few heads make exact score ties).
+TINY_CONFIG = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
     "vocab_size": 256,
     "hidden_size": 64,
+    "num_hidden_layers": 6,
     "num_attention_heads": 4,
+    "num_key_value_heads": 1,
     "head_dim": 96,
     "qk_rope_head_dim": 32,
     "q_lora_rank": 32,
     "o_lora_rank": 32,
     "o_groups": 2,
-    "moe_intermediate_size": 64,
+    "moe_intermediate_size": 32,
     "n_routed_experts": 16,
     "num_experts_per_tok": 4,
+    "n_shared_experts": 1,
+    "num_hash_layers": 3,
+    "routed_scaling_factor": 1.5,
+    "scoring_func": "sqrtsoftplus",
+    "norm_topk_prob": True,
+    "swiglu_limit": 10.0,
     "sliding_window": 8,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 16.0,
+        "original_max_position_embeddings": 65536,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    },
+    "compress_ratios": [0, 0, 4, 128, 4, 0],
     "index_n_heads": 16,
     "index_head_dim": 64,
     "index_topk": 4,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 1048576,
+    "num_nextn_predict_layers": 0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
     "eos_token_id": 1,
+}
+
+# `tiny=True`: Flash's layer window at TINY_CONFIG's dimensions. Every other field of
+# TINY_CONFIG equals Flash's, so these keys are all that differ.
+TINY_OVERRIDES: dict = {
+    k: TINY_CONFIG[k]
+    for k in (
+        "vocab_size",
+        "hidden_size",
+        "num_attention_heads",
+        "head_dim",
+        "qk_rope_head_dim",
+        "q_lora_rank",
+        "o_lora_rank",
+        "o_groups",
+        "moe_intermediate_size",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "sliding_window",
+        "index_n_heads",
+        "index_head_dim",
+        "index_topk",
+        "eos_token_id",
+    )
 }
 
 
@@ -315,4 +371,11 @@ def write(
     return path
 
 
-__all__ = ["FLASH_CONFIG", "TINY_OVERRIDES", "flash_bits", "synthetic_config", "write"]
+__all__ = [
+    "FLASH_CONFIG",
+    "TINY_CONFIG",
+    "TINY_OVERRIDES",
+    "flash_bits",
+    "synthetic_config",
+    "write",
+]

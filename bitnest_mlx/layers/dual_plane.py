@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
-from ..formats.bitnest.numerics import GROUP_SIZE, WEIGHT_GROUPS, a8, a8_codes, nested
+from ..formats.bitnest.numerics import SEED_GROUP_SIZE, WEIGHT_GROUPS, a8, a8_codes, nested
 from . import plane_stack
 from .options import RunOptions
 
@@ -27,7 +27,11 @@ class DualPlaneLinear(nn.Module):
     """
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, group_size: int = GROUP_SIZE
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        group_size: int = SEED_GROUP_SIZE,
     ):
         super().__init__()
         if group_size not in WEIGHT_GROUPS or in_features % group_size:

@@ -335,18 +335,32 @@ def random_switch(n_in: int, n_out: int, experts: int, bits: int, key) -> MXTQSw
     return sw
 
 
-def gather_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx.array]:
-    """(kernel, pure) routed experts at M = 1 as a decode step calls them, at 2 and 4 bits (both
-    DeepSeek-V4 widths): in_features 1024 (a lane walks 2 (2 bits) or 4 (4 bits) words of a
-    row), 40 rows (two simdgroups of 16 and a ragged 8), shared x (gate/up) and one x per slot
-    (down), repeated expert ids."""
+# The self-tests below are the one definition of each MXTQ kernel's check: `kernels.use` runs
+# them at first use (small shapes), and bitnest-doctor runs the same code (cli/doctor_kernels.py)
+# with `big=True` to time the kernel at a decode-sized shape. Each width draws its own key.
+_WIDTHS = (2, 4)  # DeepSeek-V4's routed widths
+_SLOTS = ((0, 2, 2), (1, 3, 0))  # 2 tokens x 3 slots over 4 experts: all routed, one repeated
+
+
+def _expert_shape(big: bool) -> tuple[int, int]:
+    """(in_features, rows): 1024 makes a lane walk 2 (2 bits) or 4 (4 bits) words of a row, and
+    40 rows are two simdgroups of 16 and a ragged 8; big is a Flash expert's gate (4096 -> 2048)."""
+    return (4096, 2048) if big else (1024, 40)
+
+
+def gather_self_test(
+    runner: kernels.Runner | None = None, widths: tuple[int, ...] = _WIDTHS, big: bool = False
+) -> tuple[mx.array, mx.array]:
+    """(kernel, pure) routed experts at M = 1 as a decode step calls them: shared x (gate/up)
+    and one x per slot (down), repeated expert ids, at each of `widths`."""
     got, want = [], []
-    idx = mx.array([[0, 2, 2], [1, 3, 0]], dtype=mx.uint32)
-    for bits, seed in ((2, 3), (4, 5)):
-        k1, k2 = mx.random.split(mx.random.key(seed))
-        sw = random_switch(1024, 40, 4, bits, k1)
+    idx = mx.array(_SLOTS, dtype=mx.uint32)
+    n_in, n_out = _expert_shape(big)
+    for bits in widths:
+        k1, k2 = mx.random.split(mx.random.key(1 + bits))
+        sw = random_switch(n_in, n_out, 4, bits, k1)
         for rows in (1, 3):
-            x = mx.random.normal((2, rows, 1, 1024), key=k2)
+            x = mx.random.normal((2, rows, 1, n_in), key=k2)
             got.append(
                 kernels.mxtq_gather_matvec(
                     x[:, :, 0, :], idx, sw.tq_packed, sw.tq_norms, sw._codebook, bits, runner
@@ -356,15 +370,18 @@ def gather_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx
     return mx.concatenate(got, axis=-1), mx.concatenate(want, axis=-1)
 
 
-def swiglu_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx.array]:
-    """(kernel, pure) fused gate + up + clamped SwiGLU + route weight at 2 and 4 bits:
-    in_features 1024, 40 rows, 3 slots per token, a limit that clips some gate and up values."""
+def swiglu_self_test(
+    runner: kernels.Runner | None = None, widths: tuple[int, ...] = _WIDTHS, big: bool = False
+) -> tuple[mx.array, mx.array]:
+    """(kernel, pure) fused gate + up + clamped SwiGLU + route weight at each of `widths`,
+    3 slots per token, a limit that clips some gate and up values."""
     got, want = [], []
-    idx = mx.array([[0, 2, 2], [1, 3, 0]], dtype=mx.uint32)
-    for bits, seed in ((2, 6), (4, 7)):
-        k1, k2, k3, k4 = mx.random.split(mx.random.key(seed), 4)
-        gate, up = random_switch(1024, 40, 4, bits, k1), random_switch(1024, 40, 4, bits, k2)
-        x = mx.random.normal((2, 1, 1, 1024), key=k3) * 8
+    idx = mx.array(_SLOTS, dtype=mx.uint32)
+    n_in, n_out = _expert_shape(big)
+    for bits in widths:
+        k1, k2, k3, k4 = mx.random.split(mx.random.key(5 + bits // 2), 4)
+        gate, up = (random_switch(n_in, n_out, 4, bits, k) for k in (k1, k2))
+        x = mx.random.normal((2, 1, 1, n_in), key=k3) * 8
         w = mx.random.uniform(0.1, 1.0, idx.shape, key=k4)
         limit = 0.5
         got.append(
@@ -385,13 +402,15 @@ def swiglu_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx
     return mx.concatenate(got, axis=-1), mx.concatenate(want, axis=-1)
 
 
-def hadamard_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx.array]:
-    """(kernel, pure) signed Hadamard rotations at DeepSeek-V4's expert widths: 2 rows of 4096
-    (gate/up input) and 3 of 2048 (down input)."""
+def hadamard_self_test(
+    runner: kernels.Runner | None = None, big: bool = False
+) -> tuple[mx.array, mx.array]:
+    """(kernel, pure) signed Hadamard rotations at DeepSeek-V4's expert widths: rows of 4096
+    (gate/up input) and of 2048 (down input); 2 and 3 rows, or 512 each when big."""
     got, want = [], []
     for rows, d, seed in ((2, 4096, 4), (3, 2048, 8)):
         k1, k2 = mx.random.split(mx.random.key(seed))
-        x = mx.random.normal((rows, d), key=k1)
+        x = mx.random.normal((512 if big else rows, d), key=k1)
         s = mx.where(mx.random.uniform(shape=(d,), key=k2) < 0.5, -1.0, 1.0)
         got.append(kernels.hadamard_rotate(x, s, runner).reshape(-1))
         want.append(rotate_input(x, s).reshape(-1))

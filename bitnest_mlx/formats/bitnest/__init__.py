@@ -24,9 +24,9 @@ from .layout import (
 )
 from .manifest import derive_config
 from .numerics import (
-    GROUP_SIZE,
     KV_GROUPS,
     LO_STEP,
+    SEED_GROUP_SIZE,
     W8_MAX,
     WEIGHT_GROUPS,
     Planes,
@@ -51,7 +51,7 @@ __all__ = [
     "CHECKSUMS_KEY",
     "DEFAULT_EPS",
     "FORMAT",
-    "GROUP_SIZE",
+    "SEED_GROUP_SIZE",
     "INDEX_NAME",
     "KV_GROUPS",
     "LAYER_LINEARS",

@@ -15,15 +15,15 @@ from .layout import (
     NORMS_KEYS,
     PackageError,
 )
-from .numerics import GROUP_SIZE, KV_GROUPS, WEIGHT_GROUPS
+from .numerics import KV_GROUPS, SEED_GROUP_SIZE, WEIGHT_GROUPS
 
 # head_dim when there is no config.json: the original definition's (= its o_proj A8 group).
 DERIVED_HEAD_DIM = 128
 
 
 def weight_group(manifest: dict) -> int:
-    """Columns per weight scale (§2.1): the manifest's `group_size`, GROUP_SIZE when absent."""
-    return manifest.get("group_size", GROUP_SIZE)
+    """Columns per weight scale (§2.1): the manifest's `group_size`, SEED_GROUP_SIZE when absent."""
+    return manifest.get("group_size", SEED_GROUP_SIZE)
 
 
 def derive_config(manifest: dict, where: str) -> dict:

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-GROUP_SIZE = 128  # the default (and the seed packages') columns per weight scale
+# Columns per weight scale of the seed packages: a manifest without `group_size` means this, and
+# the format-level helpers default to it. The converter's own default is a separate choice
+# (convert/defaults.py DEFAULT_GROUP_SIZE).
+SEED_GROUP_SIZE = 128
 # Weight scale groups a package may use: MLX's 4-bit (de)quantization supports exactly these.
 WEIGHT_GROUPS = (32, 64, 128)
 KV_GROUPS = (32, 64, 128)  # KV scale groups MLX's 4-bit (de)quantization supports
@@ -98,7 +101,7 @@ class Planes:
 
 
 def choose_group_size(
-    ks: Iterable[int], requested: int | None = None, largest: int = GROUP_SIZE
+    ks: Iterable[int], requested: int | None = None, largest: int = SEED_GROUP_SIZE
 ) -> int:
     """The weight group for Linears with input widths `ks`: `requested` when given (it must be
     one of WEIGHT_GROUPS and divide every K), else the largest of WEIGHT_GROUPS up to `largest`
@@ -126,13 +129,13 @@ def _check_group(k: int, group_size: int, shape: list[int]) -> None:
         )
 
 
-def quantize_planes(w: np.ndarray, group_size: int = GROUP_SIZE) -> Planes:
+def quantize_planes(w: np.ndarray, group_size: int = SEED_GROUP_SIZE) -> Planes:
     """RTN planes: the W8 code q8 = round(w/(s/16)) split into hi and lo nibbles (see
     `planes_from_codes`), s from `weight_scales`."""
     return planes_from_codes(w, group_size=group_size)
 
 
-def weight_scales(w: np.ndarray, group_size: int = GROUP_SIZE) -> np.ndarray:
+def weight_scales(w: np.ndarray, group_size: int = SEED_GROUP_SIZE) -> np.ndarray:
     """fp16 scales [N, K/group_size]: the smallest s whose W8 grid still holds every value of the
     group (max/7.4375 and -min/8), so W8 never clips and W4 gets a ~6 % finer step than amax/7."""
     n, k = w.shape
@@ -158,7 +161,7 @@ def planes_from_codes(
     """Planes for weight `w` [N, K] from given hi codes q4 [N, K] and fp16 scales [N, K/g].
 
     The group g is `group_size`; None means the one the given scales imply (K / their last
-    dim), or GROUP_SIZE without scales. Missing scales come from `weight_scales`. Missing codes
+    dim), or SEED_GROUP_SIZE without scales. Missing scales come from `weight_scales`. Missing codes
     are RTN of the W8 code: q8 = clip(round(w/(s/16)), -128, 119) and q4 = floor((q8 + 8)/16),
     its hi nibble, which is round(w/s) except within s/32 of a midpoint; so the residual below
     never clips. A missing `residual` (lo codes qr [N, K]) is the RTN residual of the original
@@ -166,7 +169,7 @@ def planes_from_codes(
     """
     n, k = w.shape
     if group_size is None:
-        group_size = GROUP_SIZE if scales is None else k // max(np.shape(scales)[-1], 1)
+        group_size = SEED_GROUP_SIZE if scales is None else k // max(np.shape(scales)[-1], 1)
     _check_group(k, group_size, [n, k])
     s16 = weight_scales(w, group_size) if scales is None else np.asarray(scales, np.float16)
     if s16.size != n * (k // group_size):

@@ -23,7 +23,7 @@ from .layout import (
     linear_shapes,
     norm_names,
 )
-from .numerics import GROUP_SIZE, Planes, choose_group_size
+from .numerics import SEED_GROUP_SIZE, Planes, choose_group_size
 from .sealing import write_manifest
 from .segments import fsync_file, place_shard
 from .spec import PackageSpec
@@ -39,7 +39,7 @@ def _manifest(
     r3: bool,
     kv_group: int | None,
     smoothing: bool,
-    group_size: int = GROUP_SIZE,
+    group_size: int = SEED_GROUP_SIZE,
 ) -> dict:
     n_layers, head_dim = config["num_hidden_layers"], config["head_dim"]
     per_layer_group = {
@@ -171,7 +171,7 @@ class PackageWriter:
         *,
         biased: set[str] | frozenset[str] = frozenset(),
         had_k: np.ndarray | None,
-        group_size: int = GROUP_SIZE,
+        group_size: int = SEED_GROUP_SIZE,
         tokenizer_dir: str | Path | None = None,
         name: str | None = None,
         source_model: str | None = None,
