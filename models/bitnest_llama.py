@@ -22,6 +22,10 @@ from bitnest_mlx.layers.hadamard import OnlineHadamard
 from bitnest_mlx.layers.nested_kv import NestedKVCache
 from bitnest_mlx.layers.options import RunOptions
 
+# Positions of Qwen2's rotated k bias computed at a time (Attention._k_offset_rows): the
+# cache's own growth step, so the table's extensions are as rare as the cache's.
+K_OFFSET_STEP = 256
+
 
 @dataclass
 class ModelArgs(PackageSpec, BaseModelArgs):
@@ -47,6 +51,7 @@ class Attention(nn.Module):
         self.o_proj_group = args.o_proj_group
         self.r3 = args.r3
         self.k_bias_offset = args.k_bias_offset
+        self._k_offset_table: tuple = (None, None)  # (bias id, dtype), rotated rows
 
         def lin(name, n_in, n_out):
             biased = f"model.layers.{layer}.self_attn.{name}" in args.biased
@@ -70,11 +75,34 @@ class Attention(nn.Module):
     def _k_offset(self, n: int, start: Any, dtype: mx.Dtype) -> mx.array:
         """Qwen2's k bias as it would sit in the cache's n slots, slot 0 at position `start`
         (RoPE and R3 are linear, so K without its bias + this = K): [B, Hkv, n, D]. `start` is
-        0 for one sequence, minus each row's left padding [B] for a batch cache."""
-        bias = self.k_proj.bias.reshape(1, self.n_kv_heads, 1, -1)
-        rows = 1 if isinstance(start, int) else start.shape[0]
-        shape = (rows, self.n_kv_heads, n, self.head_dim)
-        return self._rotate(mx.broadcast_to(bias, shape).astype(dtype), start)
+        0 for one sequence, minus each row's left padding [B] for a batch cache.
+
+        The rotated bias depends on the position alone, so it is read from a table that only
+        the new positions extend (`_k_offset_rows`): a decode step rotates no rows of the
+        context. A batch's slot 0 sits at -left_padding <= 0, so its positions are below n;
+        padding slots (negative positions) read position 0, and the mask hides them."""
+        if isinstance(start, int):
+            return self._k_offset_rows(start + n, dtype)[:, :, start : start + n]
+        pos = mx.maximum(start[:, None] + mx.arange(n), 0)  # [B, n]
+        table = self._k_offset_rows(n, dtype)[0]  # [Hkv, >= n, D]
+        return mx.take(table, pos, axis=1).transpose(1, 0, 2, 3)
+
+    def _k_offset_rows(self, end: int, dtype: mx.Dtype) -> mx.array:
+        """The rotated k bias at positions [0, end) and maybe a few more: [1, Hkv, >= end, D].
+        Missing positions are rotated K_OFFSET_STEP at a time and appended, so decode rotates
+        one step of rows every K_OFFSET_STEP tokens, whatever the context. A new bias array
+        (weights loaded) or dtype starts over. The underscore keeps it out of the parameters."""
+        key = (id(self.k_proj.bias), dtype)
+        have = self._k_offset_table[1] if self._k_offset_table[0] == key else None
+        done = 0 if have is None else have.shape[2]
+        if done < end:
+            upto = -(-end // K_OFFSET_STEP) * K_OFFSET_STEP
+            bias = self.k_proj.bias.reshape(1, self.n_kv_heads, 1, -1)
+            fresh = mx.broadcast_to(bias, (1, self.n_kv_heads, upto - done, self.head_dim))
+            rows = self._rotate(fresh.astype(dtype), done)
+            have = rows if have is None else mx.concatenate([have, rows], axis=2)
+            self._k_offset_table = (key, have)
+        return have
 
     def __call__(self, x: mx.array, mask: Any, cache: NestedKVCache, o: RunOptions) -> mx.array:
         B, L, _ = x.shape

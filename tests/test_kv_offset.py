@@ -66,3 +66,45 @@ def test_k_bias_offset_shrinks_kv_quantization_error(package, mode):
     with_offset, without = rms(logits(kv=True, offset=True)), rms(logits(kv=True, offset=False))
     # Measured: target 0.0027 vs 0.017, draft 0.039 vs 0.064 (KV4's own error dominates there).
     assert with_offset < 0.75 * without
+
+
+def _whole_context_offset(attn, n: int, start, dtype) -> mx.array:
+    """The offset as first written: the bias broadcast over all n slots and rotated whole."""
+    bias = attn.k_proj.bias.reshape(1, attn.n_kv_heads, 1, -1)
+    rows = 1 if isinstance(start, int) else start.shape[0]
+    shape = (rows, attn.n_kv_heads, n, attn.head_dim)
+    return attn._rotate(mx.broadcast_to(bias, shape).astype(dtype), start)
+
+
+def test_a_decode_step_rotates_no_context_rows_and_reads_the_same_offset(package):
+    """Each decode step used to rotate the k bias over offset + L rows in every layer; the
+    table grows by K_OFFSET_STEP new positions at a time, so steps at context 40 and 700
+    rotate the same (none), and the rows read are bit-identical to the whole-context rotation
+    (one sequence and a left-padded batch)."""
+    from bitnest_mlx.models.bitnest_llama import K_OFFSET_STEP
+
+    with pytest.warns(UserWarning, match="no tokenizer"):
+        model, _ = bitnest_mlx.load(package, dtype=mx.float32)
+    attn = model.layers[0].self_attn
+    rotated = []
+    rotate = attn._rotate
+    attn._rotate = lambda x, offset: rotated.append(x.shape[2]) or rotate(x, offset)
+    cache = model.make_cache()
+    rows = {}
+    for context in (40, 700):
+        tokens = mx.array(np.random.default_rng(1).integers(0, VOCAB, (1, context)))
+        cache = model.make_cache()
+        model(tokens, cache=cache)  # prefill: extends the table to the context once
+        rotated.clear()
+        for t in range(3):
+            model(tokens[:, t : t + 1], cache=cache)
+        rows[context] = [n for n in rotated if n != 1]  # q and k: one row each
+    assert rows[40] == rows[700] == []
+    for n, start in ((700, 0), (701, 5), (9, mx.array([0, -3, -8]))):
+        want = _whole_context_offset(attn, n, start, mx.float32)
+        got = attn._k_offset(n, start, mx.float32)
+        if not isinstance(start, int):  # padding slots are masked: only positions >= 0 count
+            valid = (start[:, None] + mx.arange(n) >= 0)[:, None, :, None]
+            got, want = mx.where(valid, got, 0), mx.where(valid, want, 0)
+        assert mx.array_equal(got, want).item(), (n, start)
+    assert attn._k_offset_table[1].shape[2] % K_OFFSET_STEP == 0

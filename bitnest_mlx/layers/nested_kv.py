@@ -87,7 +87,8 @@ class NestedKVCache(_BaseCache):
 
         `k_offset` [B, Hkv, offset + L, D] is added to the keys as read (a per-channel offset
         kept out of the quantized values, e.g. Qwen2's rotated k bias). The Metal kernel reads
-        the planes in place; the pure path dequantizes them.
+        the planes in place but has no offset term, so an offset takes the pure path, which
+        dequantizes them (docs/kernels.md).
         """
         if (
             k_offset is None
