@@ -1,9 +1,10 @@
-"""DeepSeek-V4 bundles -> model and tokenizer (the loader's DSV4 entry; `bitnest_mlx.load`).
+"""DeepSeek-V4 bundles -> model and tokenizer: what the loader's "dsv4" entry calls.
 
-`build_model(bundle)` builds models/deepseek_v4.py from a bundle that formats/dsv4_bundle.py read
-(strict), swaps in MLX affine layers and MXTQ experts where the bundle stores them, and loads
-every tensor (strict). `load_stage` does the same for one rank of a pipeline, reading only the
-tensors that rank holds. The tiny demo bundle and random weights are in demo.py.
+`load_model` reads a bundle (formats/dsv4_bundle.py, strict) and hands its tensors to the model,
+which maps them itself (`Model.quantize_as` + `Model.sanitize`, models/deepseek_v4_weights.py,
+as mlx-lm models do in `sanitize`); the weights load strictly. `python -m bitnest_mlx.dsv4
+make-bundle` writes a synthetic bundle (formats/dsv4_synthetic.py). The tiny demo bundle and
+random weights are in demo.py.
 """
 
 from __future__ import annotations
@@ -12,110 +13,37 @@ import argparse
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from .formats import dsv4_bundle, safetensors_io
 from .formats.dsv4_bundle import BundleError
-from .layers import expert_store
-from .layers.expert_store import ExpertStore
-from .layers.mxtq_linear import MXTQSwitchLinear
 from .models.deepseek_v4 import Model, ModelArgs
 
 
-def args_from_config(config: dict) -> ModelArgs:
-    return ModelArgs.from_dict(config)
-
-
-def build_model(
-    bundle: dsv4_bundle.Bundle,
-    dtype: mx.Dtype = mx.float32,
-    model: Model | None = None,
-    max_expert_memory: float | None = None,
-) -> Model:
-    """The model with affine / MXTQ layers where the bundle stores them, weights loaded.
-
-    model: a skeleton to fill instead of a new whole model (one pipeline stage, `load_stage`).
-    max_expert_memory: GB (1e9 bytes) of routed-expert codes to keep resident; the codes stay
-    in the bundle's files and the most recently used experts are cached
-    (layers/expert_store.py, `model.expert_store`). None: every expert resident.
-
-    Each weight is held once, as stored: codes, scales, norms keep their bundle dtype (MLX's
-    quantized matmul takes float16 scales with float32 input, bit-identically). Only the
-    embedding's scales are widened to the model dtype, because a QuantizedEmbedding returns
-    its scales' dtype. The lazily created initial weights are replaced before anything
-    evaluates them.
-    """
-    if model is None:
-        model = Model(args_from_config(bundle.config))
-    model.set_dtype(dtype)
-    for bits, group in set(bundle.affine.values()):
-        names = {n for n, bg in bundle.affine.items() if bg == (bits, group)}
-        nn.quantize(
-            model,
-            group_size=group,
-            bits=bits,
-            class_predicate=lambda path, m, names=names: (
-                path in names and isinstance(m, (nn.Linear, nn.Embedding))
-            ),
-        )
-    slots = dsv4_bundle.schedule(bundle.config)
-    store = None if max_expert_memory is None else ExpertStore(int(max_expert_memory * 1e9))
-    ranges = expert_store.tensor_ranges(bundle.path) if store is not None else {}
-    on_disk = set()
-    for name, fmt in bundle.formats.items():
-        if isinstance(fmt, int):  # MXTQ experts of `fmt` bits
-            layer, proj = dsv4_bundle.layer_proj(name)
-            e, out_f, in_f = slots[name].shape
-            switch = model.layers[int(layer)].ffn.switch_mlp
-            experts = MXTQSwitchLinear(in_f, out_f, e, fmt, seed=bundle.seed)
-            if store is not None:
-                experts.use_store(store, expert_store.expert_source(ranges, name, e))
-                on_disk.add(f"{name}.tq_packed")
-            setattr(switch, proj, experts)
-    model.expert_store = store
-    params = dict(tree_flatten(model.parameters()))
-    weights = []
-    for key, a in bundle.tensors.items():
-        if key in on_disk:
-            continue  # never evaluated: its bytes are read per expert through the store
-        target = params.get(key)
-        if target is None:
-            raise BundleError(f"{key}: no such model parameter")
-        keep = key.endswith((".scales", ".biases")) and not key.startswith("embed.")
-        weights.append((key, a.astype(target.dtype) if a.dtype != target.dtype and not keep else a))
-    model.load_weights(weights, strict=True)
-    model.eval()
-    return model
-
-
-def load_stage(
+def load_model(
     path: str | Path,
-    group: mx.distributed.Group,
     dtype: mx.Dtype = mx.float32,
+    group: mx.distributed.Group | None = None,
+    max_expert_memory: float | None = None,
     split: list[int] | None = None,
 ) -> Model:
-    """This rank's stage of a pipeline over `group` (`Model.pipeline`), holding about 1/size of
-    the layers: the whole bundle is validated, but only the stage's tensors are ever read.
+    """The bundle's model, weights loaded and evaluated.
 
-    `dsv4_bundle.read` returns lazy arrays (`mx.load`); the tensors of other stages are dropped
-    here before anything evaluates them, so their bytes never reach memory.
+    group: keep this rank's stage of a pipeline over `group` (`Model.pipeline`, about 1/size of
+    the layers): the whole bundle is validated, but only the stage's tensors are ever read
+    (`dsv4_bundle.read` returns lazy arrays; `sanitize` drops the other stages' unevaluated).
+    max_expert_memory: GB of routed-expert codes to keep resident (`Model.quantize_as`).
+    The skeleton's lazily created initial weights are replaced before anything evaluates them.
     """
     bundle = dsv4_bundle.read(path)
-    model = Model(args_from_config(bundle.config))
-    model.pipeline(group, split)
-    # Every module path and parameter name the stage kept (`layers.3.attn.wq_a`, `norm.weight`):
-    # a tensor is kept with its module (`.scales` and `.tq_packed` come with the swap below).
-    held = set()
-    for name, _ in tree_flatten(model.parameters()):
-        parts = name.split(".")
-        held.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
-    bundle.tensors = {
-        k: a for k, a in bundle.tensors.items() if k in held or k.rpartition(".")[0] in held
-    }
-    bundle.formats = {k: f for k, f in bundle.formats.items() if k in held}
-    bundle.affine = {k: bg for k, bg in bundle.affine.items() if k in held}
-    return build_model(bundle, dtype, model)
+    model = Model(ModelArgs.from_dict(bundle.config))
+    if group is not None:
+        model.pipeline(group, split)
+    model.set_dtype(dtype)
+    model.quantize_as(bundle, max_expert_memory)
+    model.load_weights(list(model.sanitize(bundle.tensors).items()), strict=True)
+    model.eval()
+    mx.eval(model.parameters())
+    return model
 
 
 def bundle_tokenizer(path: str | Path, config: dict | None = None):

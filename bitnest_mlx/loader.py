@@ -118,26 +118,19 @@ def _dsv4_class() -> type[nn.Module]:
 def _dsv4_model(path: Path, dtype: mx.Dtype | None) -> nn.Module:
     from . import dsv4
 
-    model = dsv4.build_model(dsv4_bundle.read(path), dtype or mx.float32)
-    mx.eval(model.parameters())
-    return model
+    return dsv4.load_model(path, dtype or mx.float32)
 
 
 def _dsv4_budgeted(path: Path, dtype: mx.Dtype | None, max_expert_memory: float) -> nn.Module:
     from . import dsv4
 
-    bundle = dsv4_bundle.read(path)
-    model = dsv4.build_model(bundle, dtype or mx.float32, max_expert_memory=max_expert_memory)
-    mx.eval(model.parameters())
-    return model
+    return dsv4.load_model(path, dtype or mx.float32, max_expert_memory=max_expert_memory)
 
 
 def _dsv4_stage(path: Path, dtype: mx.Dtype | None, group: mx.distributed.Group) -> nn.Module:
     from . import dsv4
 
-    model = dsv4.load_stage(path, group, dtype or mx.float32)
-    mx.eval(model.parameters())
-    return model
+    return dsv4.load_model(path, dtype or mx.float32, group)
 
 
 def _dsv4_tokenizer(path: Path):

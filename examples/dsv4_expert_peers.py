@@ -5,8 +5,9 @@
 import json
 from types import SimpleNamespace
 
+from bitnest_mlx.models.deepseek_v4 import ModelArgs
+
 from bitnest_mlx import dsv4_bench
-from bitnest_mlx.dsv4 import args_from_config
 from bitnest_mlx.formats.dsv4_synthetic import synthetic_config
 
 config = synthetic_config(2)  # Flash layers 3-4: gate/up 2-bit, down 4-bit
@@ -16,5 +17,5 @@ layer = SimpleNamespace(
         switch_mlp=SimpleNamespace(gate_proj=proj(2), up_proj=proj(2), down_proj=proj(4))
     )
 )
-stub = SimpleNamespace(args=args_from_config(config), layers=[layer])
+stub = SimpleNamespace(args=ModelArgs.from_dict(config), layers=[layer])
 print(json.dumps(dsv4_bench.expert_peers(stub, experts=32, calls=8), indent=1), flush=True)

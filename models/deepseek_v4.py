@@ -29,6 +29,7 @@ from bitnest_mlx.layers.options import RunOptions
 from bitnest_mlx.layers.pipeline import PipelineStage
 
 from .deepseek_v4_attention import Compressor, Indexer
+from .deepseek_v4_weights import BundleWeights
 
 
 @dataclass
@@ -287,7 +288,7 @@ class Block(nn.Module):
         return self._hc_post(y, streams, post, comb)
 
 
-class Model(nn.Module):
+class Model(BundleWeights, nn.Module):
     """mlx-lm style: `model(inputs [B, T], cache) -> logits [B, T, V]` for every position.
 
     The call convention is the bitnest model's: `options` (RunOptions) are the defaults of every
@@ -295,6 +296,8 @@ class Model(nn.Module):
     MXTQ experts' Metal kernels or the pure path) and `qat` (the reference's QAT simulation: FP8
     KV, Hadamard + FP4 indexer); it has one precision, so every `mode` reads the same weights.
     `pipeline(group)` keeps one rank's share of the layers (bitnest_mlx/layers/pipeline.py).
+    A bundle's tensors become parameters through `quantize_as` and `sanitize`
+    (models/deepseek_v4_weights.py), as mlx-lm models map checkpoints in `sanitize`.
     """
 
     # One set of weights at one precision: there is no cheaper plane to draft with.
@@ -313,6 +316,7 @@ class Model(nn.Module):
         self.hc_head_base = mx.zeros((hc,))
         self.hc_head_scale = mx.ones((1,))
         self.options = RunOptions()
+        self.expert_store = None  # routed experts read from disk: `quantize_as`
         self.stage = PipelineStage.whole(args.num_hidden_layers)
 
     def pipeline(self, group: mx.distributed.Group, split: list[int] | None = None) -> None:

@@ -531,12 +531,11 @@ def dsv4_hf_state_dict(weights: dict[str, np.ndarray]):
 
 def dsv4_model(weights: dict[str, np.ndarray], **overrides):
     """The float DSV4 model of TINY_CONFIG (+ overrides) with `weights` loaded."""
-    from bitnest_mlx.models.deepseek_v4 import Model
+    from bitnest_mlx.models.deepseek_v4 import Model, ModelArgs
 
     from bitnest_mlx.demo import TINY_CONFIG
-    from bitnest_mlx.dsv4 import args_from_config
 
-    model = Model(args_from_config({**TINY_CONFIG, **overrides}))
+    model = Model(ModelArgs.from_dict({**TINY_CONFIG, **overrides}))
     model.load_weights([(k, mx.array(v)) for k, v in weights.items()], strict=True)
     return model
 

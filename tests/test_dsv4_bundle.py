@@ -8,11 +8,11 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
+from bitnest_mlx.models.deepseek_v4 import ModelArgs
 from factory import dsv4_model
 
 from bitnest_mlx import load
 from bitnest_mlx.demo import DEMO_BITS, TINY_CONFIG, random_weights, write_demo_bundle
-from bitnest_mlx.dsv4 import args_from_config
 from bitnest_mlx.formats import dsv4_bundle, dsv4_bundle_write, mxtq
 from bitnest_mlx.formats.dsv4_bundle import BundleError
 from bitnest_mlx.layers.mxtq_linear import MXTQSwitchLinear
@@ -114,7 +114,7 @@ def test_flash_schedule_matches_the_published_jang_key_count():
     slots = dsv4_bundle.schedule(config)
     stored = sum(3 if s.kind in ("linear", "embedding", "experts") else 1 for s in slots.values())
     assert stored == 2610
-    assert args_from_config(config).compress_ratios[42] == 4
+    assert ModelArgs.from_dict(config).compress_ratios[42] == 4
     assert slots["layers.42.attn.indexer.wq_b"].shape == (64 * 128, 1024)
     assert slots["layers.3.ffn.switch_mlp.down_proj"].shape == (256, 4096, 2048)
     assert len(dsv4_bundle.bit_plan(config)) == 129
