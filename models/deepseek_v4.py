@@ -22,13 +22,14 @@ from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.switch_layers import SwitchLinear
 
 from bitnest_mlx.formats.dsv4_config import DSV4Config
+from bitnest_mlx.formats.dsv4_schedule import schedule
 from bitnest_mlx.layers.dsv4_cache import DSV4Cache
 from bitnest_mlx.layers.dsv4_ops import PartialRoPE, fp8_fake_quant, swiglu_clamped
 from bitnest_mlx.layers.mxtq_linear import MXTQSwitchLinear, routed_glu
 from bitnest_mlx.layers.options import RunOptions
 from bitnest_mlx.layers.pipeline import PipelineStage
 
-from .deepseek_v4_attention import Compressor, Indexer
+from .deepseek_v4_attention import Compressor, Indexer, Slots, linear, norm, tensor
 from .deepseek_v4_weights import BundleWeights
 
 
@@ -53,7 +54,7 @@ def _yarn_config(args: ModelArgs) -> dict | None:
 class Attention(nn.Module):
     """One shared K=V head with sinks over window rows ∪ (selected) compressed entries."""
 
-    def __init__(self, args: ModelArgs, layer: int):
+    def __init__(self, args: ModelArgs, layer: int, slots: Slots):
         super().__init__()
         self.n_heads, self.head_dim = args.num_attention_heads, args.head_dim
         self.rope_dims = args.qk_rope_head_dim
@@ -61,33 +62,26 @@ class Attention(nn.Module):
         self.window, self.eps = args.sliding_window, args.rms_norm_eps
         self.ratio = args.compress_ratios[layer]
         self.scale = self.head_dim**-0.5
-        d = args.hidden_size
-        self.wq_a = nn.Linear(d, args.q_lora_rank, bias=False)
-        self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=args.rms_norm_eps)
-        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wkv = nn.Linear(d, self.head_dim, bias=False)
-        self.kv_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        p = f"layers.{layer}.attn"
+        self.wq_a = linear(slots, f"{p}.wq_a")
+        self.q_norm = norm(slots, f"{p}.q_norm", self.eps)
+        self.wq_b = linear(slots, f"{p}.wq_b")
+        self.wkv = linear(slots, f"{p}.wkv")
+        self.kv_norm = norm(slots, f"{p}.kv_norm", self.eps)
         # wo_a is block-diagonal: rows g·o_lora.. of the 2-D matrix act on head group g only.
-        group_in = self.n_heads * self.head_dim // self.o_groups
-        self.wo_a = nn.Linear(group_in, self.o_groups * args.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(self.o_groups * args.o_lora_rank, d, bias=False)
-        self.attn_sink = mx.zeros((self.n_heads,))
+        self.wo_a = linear(slots, f"{p}.wo_a")
+        self.wo_b = linear(slots, f"{p}.wo_b")
+        self.attn_sink = tensor(slots, f"{p}.attn_sink")
         # Sliding-only layers use rope_theta without YaRN; compressed layers share one YaRN table
         # across q/kv, their compressor and their indexer.
         if self.ratio:
             self.rope = PartialRoPE(self.rope_dims, args.compress_rope_theta, _yarn_config(args))
-            self.compressor = Compressor(d, self.ratio, self.head_dim, self.eps, self.rope)
+            self.compressor = Compressor(slots, f"{p}.compressor", self.ratio, self.eps, self.rope)
         else:
             self.rope = PartialRoPE(self.rope_dims, args.rope_theta, None)
         if self.ratio == 4:
             self.indexer = Indexer(
-                d,
-                args.q_lora_rank,
-                args.index_n_heads,
-                args.index_head_dim,
-                args.index_topk,
-                self.eps,
-                self.rope,
+                slots, f"{p}.indexer", args.index_n_heads, args.index_topk, self.eps, self.rope
             )
 
     def _fp8_kv(self, kv: mx.array) -> mx.array:
@@ -150,14 +144,14 @@ class Attention(nn.Module):
 class Gate(nn.Module):
     """sqrt(softplus) scores; experts by top-k of score + bias, or by tid2eid on hash layers."""
 
-    def __init__(self, args: ModelArgs, hashed: bool):
+    def __init__(self, args: ModelArgs, slots: Slots, prefix: str):
         super().__init__()
         self.top_k, self.route_scale = args.num_experts_per_tok, args.routed_scaling_factor
-        self.weight = mx.zeros((args.n_routed_experts, args.hidden_size))
-        if hashed:
-            self.tid2eid = mx.zeros((args.vocab_size, self.top_k), dtype=mx.int32)
+        self.weight = tensor(slots, f"{prefix}.weight")
+        if f"{prefix}.tid2eid" in slots:  # a hash layer (the first num_hash_layers)
+            self.tid2eid = tensor(slots, f"{prefix}.tid2eid")
         else:
-            self.bias = mx.zeros((args.n_routed_experts,))
+            self.bias = tensor(slots, f"{prefix}.bias")
 
     def __call__(self, x: mx.array, ids: mx.array) -> tuple[mx.array, mx.array]:
         scores = mx.sqrt(nn.softplus(x.astype(mx.float32) @ self.weight.T.astype(mx.float32)))
@@ -171,11 +165,11 @@ class Gate(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, dim: int, hidden: int, limit: float):
+    def __init__(self, slots: Slots, prefix: str, limit: float):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
-        self.w2 = nn.Linear(hidden, dim, bias=False)  # down
-        self.w3 = nn.Linear(dim, hidden, bias=False)  # up
+        self.w1 = linear(slots, f"{prefix}.w1")  # gate
+        self.w2 = linear(slots, f"{prefix}.w2")  # down
+        self.w3 = linear(slots, f"{prefix}.w3")  # up
         self.limit = limit
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -185,12 +179,11 @@ class SharedExpert(nn.Module):
 class SwitchMLP(nn.Module):
     """Routed experts; the projections may be float SwitchLinear or MXTQSwitchLinear."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, slots: Slots, prefix: str):
         super().__init__()
-        d, h, e = args.hidden_size, args.moe_intermediate_size, args.n_routed_experts
-        self.gate_proj = SwitchLinear(d, h, e, bias=False)
-        self.up_proj = SwitchLinear(d, h, e, bias=False)
-        self.down_proj = SwitchLinear(h, d, e, bias=False)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            e, out_features, in_features = slots[f"{prefix}.{proj}"].shape
+            setattr(self, proj, SwitchLinear(in_features, out_features, e, bias=False))
 
     def __call__(
         self, x: mx.array, idx: mx.array, w: mx.array, limit: float, use_kernels: bool = True
@@ -213,14 +206,12 @@ class SwitchMLP(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int):
+    def __init__(self, args: ModelArgs, layer: int, slots: Slots):
         super().__init__()
-        self.limit = args.swiglu_limit
-        self.gate = Gate(args, hashed=layer < args.num_hash_layers)
-        self.switch_mlp = SwitchMLP(args)
-        self.shared_experts = SharedExpert(
-            args.hidden_size, args.moe_intermediate_size * args.n_shared_experts, self.limit
-        )
+        self.limit, p = args.swiglu_limit, f"layers.{layer}.ffn"
+        self.gate = Gate(args, slots, f"{p}.gate")
+        self.switch_mlp = SwitchMLP(slots, f"{p}.switch_mlp")
+        self.shared_experts = SharedExpert(slots, f"{p}.shared_experts", self.limit)
 
     def __call__(self, x: mx.array, ids: mx.array, use_kernels: bool = True) -> mx.array:
         idx, w = self.gate(x, ids)
@@ -250,18 +241,17 @@ def _hc_mix(streams: mx.array, fn: mx.array, eps: float) -> mx.array:
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int):
+    def __init__(self, args: ModelArgs, layer: int, slots: Slots):
         super().__init__()
-        self.args = args
-        hc, d = args.hc_mult, args.hidden_size
-        self.attn_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
-        self.ffn_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
-        self.attn = Attention(args, layer)
-        self.ffn = MoE(args, layer)
+        self.args, p = args, f"layers.{layer}"
+        self.attn_norm = norm(slots, f"{p}.attn_norm", args.rms_norm_eps)
+        self.ffn_norm = norm(slots, f"{p}.ffn_norm", args.rms_norm_eps)
+        self.attn = Attention(args, layer, slots)
+        self.ffn = MoE(args, layer, slots)
         for site in ("attn", "ffn"):
-            setattr(self, f"hc_{site}_fn", mx.zeros(((2 + hc) * hc, hc * d)))
-            setattr(self, f"hc_{site}_base", mx.zeros(((2 + hc) * hc,)))
-            setattr(self, f"hc_{site}_scale", mx.ones((3,)))
+            for part, fill in (("fn", 0.0), ("base", 0.0), ("scale", 1.0)):
+                name = f"hc_{site}_{part}"
+                setattr(self, name, tensor(slots, f"{p}.{name}", fill))
 
     def _hc_pre(self, streams: mx.array, site: str):
         a, hc = self.args, self.args.hc_mult
@@ -307,14 +297,17 @@ class Model(BundleWeights, nn.Module):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [Block(args, i) for i in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        hc = args.hc_mult
-        self.hc_head_fn = mx.zeros((hc, hc * args.hidden_size))
-        self.hc_head_base = mx.zeros((hc,))
-        self.hc_head_scale = mx.ones((1,))
+        # The bundle schedule is the one list of tensor names and shapes: every module below
+        # reads its parameters' shapes from it (the reader and writer check bundles against it).
+        slots = schedule(args)
+        self.embed = nn.Embedding(*slots["embed"].shape)
+        self.layers = [Block(args, i, slots) for i in range(args.num_hidden_layers)]
+        self.norm = norm(slots, "norm", args.rms_norm_eps)
+        self.head = linear(slots, "head")
+        self.hc_head_fn = tensor(slots, "hc_head_fn")
+        self.hc_head_base = tensor(slots, "hc_head_base")
+        self.hc_head_scale = tensor(slots, "hc_head_scale", 1.0)
+        self.check_declared(slots)
         self.options = RunOptions()
         self.expert_store = None  # routed experts read from disk: `quantize_as`
         self.stage = PipelineStage.whole(args.num_hidden_layers)

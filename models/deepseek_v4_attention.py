@@ -4,6 +4,10 @@ Kept apart from models/deepseek_v4.py so that file reads as the block-level math
 plain sizes rather than `ModelArgs`, so they import nothing from the model module (no cycle).
 Parameter names (`wkv`, `wgate`, `ape`, `norm`, `wq_b`, `weights_proj`, `compressor`) are the
 official checkpoint names under `layers.L.attn.{compressor,indexer}`.
+
+Every parameter's shape is read from the bundle schedule (formats/dsv4_schedule.py `schedule`,
+`Slots` below) by `linear` / `norm` / `tensor`, so the names and shapes a bundle holds are
+written once, there, and the model is built from them.
 """
 
 from __future__ import annotations
@@ -11,21 +15,42 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from bitnest_mlx.formats.dsv4_schedule import Slot
 from bitnest_mlx.layers.dsv4_cache import CompressorPool
 from bitnest_mlx.layers.dsv4_ops import PartialRoPE, hadamard_fp4
+
+Slots = dict[str, Slot]  # `schedule(config)`: every tensor's name, kind and shape
+
+
+def linear(slots: Slots, name: str) -> nn.Linear:
+    """A bias-free Linear of slot `name`'s shape [out, in]."""
+    out_features, in_features = slots[name].shape
+    return nn.Linear(in_features, out_features, bias=False)
+
+
+def norm(slots: Slots, name: str, eps: float) -> nn.RMSNorm:
+    """An RMSNorm whose weight is slot `name.weight`."""
+    return nn.RMSNorm(slots[f"{name}.weight"].shape[0], eps=eps)
+
+
+def tensor(slots: Slots, name: str, fill: float = 0.0) -> mx.array:
+    """A plain parameter of slot `name`'s shape (int32 for an "int" slot), filled with `fill`
+    until the bundle's values are loaded."""
+    slot = slots[name]
+    return mx.full(slot.shape, fill, mx.int32 if slot.kind == "int" else mx.float32)
 
 
 class Compressor(nn.Module):
     """Gated pooling of `ratio` rows into one entry (ratio 4: 8 overlapping rows), per channel."""
 
-    def __init__(self, dim: int, ratio: int, head_dim: int, eps: float, rope: PartialRoPE):
+    def __init__(self, slots: Slots, prefix: str, ratio: int, eps: float, rope: PartialRoPE):
         super().__init__()
-        self.ratio, self.head_dim = ratio, head_dim
-        width = head_dim * (2 if ratio == 4 else 1)
-        self.wkv = nn.Linear(dim, width, bias=False)
-        self.wgate = nn.Linear(dim, width, bias=False)
-        self.ape = mx.zeros((ratio, width))
-        self.norm = nn.RMSNorm(head_dim, eps=eps)
+        self.ratio = ratio
+        self.wkv = linear(slots, f"{prefix}.wkv")
+        self.wgate = linear(slots, f"{prefix}.wgate")
+        self.ape = tensor(slots, f"{prefix}.ape")
+        self.norm = norm(slots, f"{prefix}.norm", eps)
+        self.head_dim = self.norm.weight.shape[0]
         self._rope = rope  # shared with the attention; not a parameter
 
     def __call__(self, x: mx.array, pool: CompressorPool, offset: int) -> mx.array:
@@ -71,20 +96,14 @@ class Indexer(nn.Module):
     """Lightning indexer: picks the top-k compressed entries per query on ratio-4 layers."""
 
     def __init__(
-        self,
-        dim: int,
-        q_lora_rank: int,
-        n_heads: int,
-        head_dim: int,
-        topk: int,
-        eps: float,
-        rope: PartialRoPE,
+        self, slots: Slots, prefix: str, n_heads: int, topk: int, eps: float, rope: PartialRoPE
     ):
         super().__init__()
-        self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
-        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
-        self.weights_proj = nn.Linear(dim, n_heads, bias=False)
-        self.compressor = Compressor(dim, 4, head_dim, eps, rope)
+        self.n_heads, self.topk = n_heads, topk
+        self.wq_b = linear(slots, f"{prefix}.wq_b")
+        self.weights_proj = linear(slots, f"{prefix}.weights_proj")
+        self.compressor = Compressor(slots, f"{prefix}.compressor", 4, eps, rope)
+        self.head_dim = self.compressor.head_dim
         self._rope = rope
 
     def __call__(

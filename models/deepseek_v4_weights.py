@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from bitnest_mlx.formats.dsv4_bundle import Bundle, BundleError, layer_proj
+from bitnest_mlx.formats.dsv4_bundle import Bundle, BundleError, Slot, layer_proj
 from bitnest_mlx.layers import expert_store
 from bitnest_mlx.layers.expert_store import ExpertStore
 from bitnest_mlx.layers.mxtq_linear import MXTQSwitchLinear
@@ -24,6 +24,17 @@ from bitnest_mlx.layers.mxtq_linear import MXTQSwitchLinear
 class BundleWeights:
     """The bundle -> parameters mapping of the DeepSeek-V4 `Model` (a mixin: it reads the
     model's `layers`, `stage` and parameters)."""
+
+    def check_declared(self, slots: dict[str, Slot]) -> None:
+        """The skeleton holds exactly the schedule's tensors at their shapes (a Linear's,
+        Embedding's or expert stack's slot is its `.weight`): a module that reads no slot, or a
+        slot no module reads, fails here at construction, not at the first strict load."""
+        have = {k: tuple(a.shape) for k, a in tree_flatten(self.parameters())}
+        stacked = ("linear", "embedding", "experts")
+        want = {(f"{n}.weight" if s.kind in stacked else n): s.shape for n, s in slots.items()}
+        if have != want:
+            wrong = sorted(set(have.items()) ^ set(want.items()))
+            raise ValueError(f"the model and the bundle schedule differ at {wrong[:4]}")
 
     def holds(self, key: str) -> bool:
         """Whether this model (or pipeline stage) runs the module of bundle key `key`: a stage

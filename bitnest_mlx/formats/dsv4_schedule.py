@@ -3,7 +3,9 @@ stores routed experts, and the float dtype rule (spec: docs/deepseek-v4-spec.md 
 
 The schedule reads a validated `DSV4Config` (formats/dsv4_config.py), so its dimensions and
 defaults are the model's own; the reader (dsv4_bundle.py) and the writer
-(dsv4_bundle_write.py) both take their key lists from here.
+(dsv4_bundle_write.py) both take their key lists from here, and models/deepseek_v4.py builds
+every parameter at the shape its slot gives (`Model.check_declared` fails at construction on
+any difference), so each tensor's name and shape is written here only.
 """
 
 from __future__ import annotations
