@@ -87,6 +87,8 @@ setup(
     extras_require={
         # GGUF input: gguf reads and dequantizes, transformers builds the tokenizer.
         "convert": ["gguf", "transformers>=5"],
-        "test": ["pytest", "transformers>=5", "torch==2.13.0", "ruff", "jang==2.5.50", "gguf"],
+        # transformers pinned: the DeepSeek-V4 parity tests compare against its deepseek_v4
+        # (absent from earlier 5.x), on the version they were measured with.
+        "test": ["pytest", "transformers==5.25.0", "torch==2.13.0", "ruff", "jang==2.5.50", "gguf"],
     },
 )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+import tools
 from bitnest_mlx.models.deepseek_v4 import Model
 from factory import dsv4_hf_state_dict, dsv4_model
 
@@ -34,8 +35,9 @@ def tokens():
 @pytest.fixture(scope="module")
 def reference(weights, tokens):
     """transformers' full-prefill logits [T, V] for the same weights."""
-    torch = pytest.importorskip("torch")
-    hf_mod = pytest.importorskip("transformers.models.deepseek_v4")
+    torch = tools.reference("torch", why="transformers' DeepSeek-V4 runs on it")
+    # setup.py's test extra pins the transformers that has it (and that parity was measured on).
+    hf_mod = tools.reference("transformers.models.deepseek_v4", why="the reference model")
     torch.manual_seed(0)
     hf = hf_mod.DeepseekV4ForCausalLM(hf_mod.DeepseekV4Config(**TINY_CONFIG)).eval().float()
     hf.load_state_dict(dsv4_hf_state_dict(weights), strict=True)
@@ -126,7 +128,7 @@ def test_cache_keeps_bounded_history(model, tokens):
 
 
 def test_fp8_fake_quant_matches_torch_e4m3_with_power_of_two_block_scales():
-    torch = pytest.importorskip("torch")
+    torch = tools.reference("torch", why="its float8_e4m3fn is the reference rounding")
     x = np.random.default_rng(0).standard_normal((3, 128)).astype(np.float32) * [[1e-3], [1], [300]]
     blocks = torch.from_numpy(x).reshape(3, 2, 64)
     amax = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-4)

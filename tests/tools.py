@@ -4,8 +4,10 @@ turns that skip into a failure, so CI never passes by skipping what it was meant
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
+from types import ModuleType
 from typing import NoReturn
 
 import pytest
@@ -34,3 +36,13 @@ def missing(*tools: str, why: str) -> NoReturn:
 
 def required() -> bool:
     return os.environ.get(REQUIRE_ENV, "") not in ("", "0")
+
+
+def reference(module: str, why: str) -> ModuleType:
+    """Import a reference implementation the tests compare against (e.g. transformers'
+    deepseek_v4): a missing one is the same skip as a missing tool, so under
+    BITNEST_REQUIRE_TOOLS a version without it fails instead of passing by skipping."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        missing(module, why=why)
