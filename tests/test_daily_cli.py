@@ -331,3 +331,31 @@ def test_a_prompt_cache_file_from_mlx_lm_cache_prompt_continues_exactly(tmp_path
     (tmp_path / "junk.safetensors").write_bytes(b"not a file")
     code, _, err = run(capsys, generate, "--prompt-cache-file", str(tmp_path / "junk.safetensors"))
     assert code == 2 and "not a prompt-cache file" in err and err.count("\n") == 1
+
+
+def test_eval_reports_progress_of_each_stage_to_its_callback():
+    from bitnest_mlx.evaluation import evaluate
+
+    model, tokenizer = bitnest_mlx.load("demo")
+    seen: list[tuple[str, int, int]] = []
+    text = "The licenses for most software are designed to take away your freedom. " * 8
+    evaluate(
+        model,
+        tokenizer,
+        text,
+        max_tokens=64,
+        window=32,
+        gammas=(2,),
+        gen_tokens=4,
+        progress=lambda *a: seen.append(a),
+    )
+    windows = [(done, total) for stage, done, total in seen if stage == "scoring windows"]
+    total = windows[0][1]
+    assert windows == [(i, total) for i in range(total + 1)]  # each window, then done
+    runs = [done for stage, done, _ in seen if stage == "speculative runs"]
+    assert runs == [0, 1, 2]
+
+
+def test_generate_json_shows_a_progress_bar_only_on_a_terminal(capsys):
+    code, out, err = run(capsys, generate, "--max-tokens", "3", "--json", "--mode", "target")
+    assert code == 0 and "tok/s]" not in err  # stderr is not a terminal here: no bar
