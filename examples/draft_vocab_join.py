@@ -2,6 +2,7 @@
 to it at run time (`DraftVocabJoin`) gives back: a teacher-forced proxy.
 
     python examples/draft_vocab_join.py --model PACKAGE [--workloads NAME ...] [--tokens 128]
+    python examples/draft_vocab_join.py --model PACKAGE --loop T [--workloads ...] [--tokens 256]
 
 For each workload prompt (`bitnest_mlx.workloads`), the target's greedy continuation of
 `--tokens` tokens (the speculative loop, seeded: its text is target-only decoding's), then one
@@ -17,6 +18,13 @@ and of the continuation before that position (`K+join`, what the join scores the
 
 Approximations: the draft reads its own teacher-forced KV, not the target-written cache of the
 real loop, and the text is the greedy one (at T 0.7 the loop's text is sampled).
+
+`--loop T`: the real loop instead (`workloads.run_prompts`, as `bench --workloads` at
+temperature T, `chain+ngram`, seed 0), with the join off and on, on one text: prefill passes
+multiply dense weights (fast on a CPU) and decode passes the quantized planes, whose rows are
+bit-identical whatever the rows of a pass, so both runs emit the seeded target-only text token
+for token (`bench --dense-weights` rounds differently at each pass width, and a near tie can
+send the two runs down different texts).
 """
 
 from __future__ import annotations
@@ -32,12 +40,20 @@ import bitnest_mlx
 from bitnest_mlx.layers.dual_plane import keep_dense
 from bitnest_mlx.layers.options import RunOptions
 from bitnest_mlx.sampling import Sampler
-from bitnest_mlx.workloads import WORKLOADS, load_workload, prompt_ids, speculate
+from bitnest_mlx.workloads import (
+    PROJECT_CHIPS,
+    WORKLOADS,
+    load_workload,
+    prompt_ids,
+    run_prompts,
+    speculate,
+)
 
 VARIANTS = ("full", "K", "K+join")
 SAMPLED = Sampler(temp=0.7, top_p=0.95)
 TARGET = RunOptions(dense_min_rows=1)
 DRAFT = RunOptions(mode="draft", draft_kv=8, draft_vocab=False, dense_min_rows=1)
+EXACT = RunOptions(dense_min_rows=64)  # `--loop`: dense prefill, quantized (exact) decoding
 
 
 def continuation(model, ids: list[int], tokens: int, eos: tuple[int, ...]) -> list[int]:
@@ -119,16 +135,62 @@ def table(results: dict, kept: int) -> str:
     return "\n".join(lines)
 
 
+def harmonic(xs: list[float]) -> float:
+    """Speed-ups averaged as time per token is: the harmonic mean (as `bench --workloads`)."""
+    return len(xs) / sum(1 / x for x in xs)
+
+
+def loop(model, tokenizer, name: str, temp: float, tokens: int) -> dict:
+    """The real loop on workload `name` with the join off and on: pooled tokens per round,
+    sources, joined rows per prompt and the harmonic-mean projection per chip (pure, kernel)."""
+    prompts = {p["name"]: prompt_ids(tokenizer, p["messages"]) for p in load_workload(name)}
+    eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
+    sampler = Sampler(temp=temp, top_p=0.95 if temp else 0.0)
+    out, texts = {}, {}
+    for join in (False, True):
+        key = "on" if join else "off"
+        merged, per = run_prompts(
+            model, prompts, tokens, sampler, 0, "auto", eos_token_ids=eos, options=EXACT,
+            draft_vocab_join=join,
+        )  # fmt: skip
+        texts[key] = [per[p]["tokens"] for p in prompts]
+        rounds = merged.round_log
+        out[key] = {
+            "tokens_per_round": sum(r.tokens for r in rounds) / len(rounds),
+            "rounds": len(rounds),
+            "sources": merged.sources,
+            "joined_rows": [per[p]["draft_vocab_joined"] for p in prompts],
+            "generated": [per[p]["generated"] for p in prompts],
+            "projected_speedup": {
+                chip: {
+                    path: harmonic([r["projected_speedup"][chip][path] for r in per.values()])
+                    for path in ("pure", "kernel")
+                }
+                for chip in PROJECT_CHIPS
+            },
+        }
+        print(json.dumps({name: {str(temp): {key: out[key]}}}), flush=True)
+    # A run ends at the round that reaches the budget: compare the texts as far as both go.
+    out["same_text"] = all(a[: len(b)] == b[: len(a)] for a, b in zip(texts["off"], texts["on"]))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     p.add_argument("--tokens", type=int, default=128, help="generated tokens per prompt")
     p.add_argument("--out", type=Path, help="write the sums as JSON")
+    p.add_argument("--loop", type=float, metavar="T", help="the real loop at temperature T")
     args = p.parse_args()
     model, tokenizer = bitnest_mlx.load(args.model)
     if model.draft_head is None:
         raise SystemExit(f"{args.model}: the draft scores every id; nothing to join")
+    if args.loop is not None:
+        results = {n: loop(model, tokenizer, n, args.loop, args.tokens) for n in args.workloads}
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=1))
+        return
     keep_dense(model)  # a CPU multiplies every row of a pass for about the cost of one
     results = {name: workload(model, tokenizer, name, args.tokens) for name in args.workloads}
     if args.out:
