@@ -46,7 +46,7 @@ import mlx.nn as nn
 import numpy as np
 
 import bitnest_mlx
-from bitnest_mlx.convert import convert, fold_norms
+from bitnest_mlx.convert import ConvertSettings, convert, fold_norms
 from bitnest_mlx.convert.rotation import rotate
 from bitnest_mlx.convert.sources import Source, load_gguf
 from bitnest_mlx.evaluation import evaluate, window_nll, windows
@@ -88,7 +88,7 @@ def fetch(cache: Path) -> Path:
 
 DEFAULT = "joint+hadamard (default)"
 FULL_VOCAB = {"draft_vocab": "full"}
-# label: (package directory, convert() options beside the defaults). The default is joint codes,
+# label: (package directory, ConvertSettings fields beside the defaults). The default: joint codes,
 # group 64, 32768 calibration tokens, Hadamard R1/R2 and the draft vocabulary by the bytes
 # model; the others keep every lm_head row, so the group sizes and methods compare on the draft's
 # grid alone (the draft vocabulary is measured on its own, `vocab_sweep`). Earlier packages (8 k
@@ -295,7 +295,7 @@ def main() -> None:
         if not (out / "bitnest.json").is_file():
             tic = time.perf_counter()
             with tempfile.TemporaryDirectory() as tmp:
-                convert(out=out, gguf=gguf, scratch=Path(tmp), **options)
+                convert(out=out, gguf=gguf, settings=ConvertSettings(**options), scratch=Path(tmp))
             print(f"converted {label} in {time.perf_counter() - tic:.0f} s", flush=True)
 
     report_file = args.cache / (

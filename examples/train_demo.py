@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     texts = [f.read_text(encoding="utf-8") for f in files]
     print(f"corpus: {', '.join(f.name for f in files)} ({sum(map(len, texts))} chars)")
 
-    from bitnest_mlx.convert import convert
+    from bitnest_mlx.convert import ConvertSettings, convert
 
     with tempfile.TemporaryDirectory(prefix="bitnest-demo-") as tmp:
         hf = args.keep_float or Path(tmp) / "bitnest-demo"
@@ -209,9 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = convert(
             hf_path=hf,
             out=args.out,
-            calib=calib,
-            calib_tokens=16384,
-            seed=args.seed,
+            settings=ConvertSettings(calib=calib, calib_tokens=16384, seed=args.seed),
             scratch=Path(tmp),
             force=True,
         )

@@ -150,20 +150,16 @@ def test_calibrated_codes_beat_rtn_on_every_linear_with_its_calibration_inputs(t
     from bitnest_mlx.convert.methods import Method
     from bitnest_mlx.convert.pipeline import build
     from bitnest_mlx.convert.rotation import Rotation
+    from bitnest_mlx.convert.settings import BuildSettings
     from bitnest_mlx.convert.sources import Source
 
     model = tiny_hf("qwen2")
     config = config_dict(model)
     tokens = np.random.default_rng(0).integers(0, VOCAB, (4, 64))
-    stats = {}
-    build(
-        tmp_path / "pkg",
-        Source.from_arrays(state(model), config),
-        method=Method(method),
-        rotation=Rotation(config, "hadamard", 0),
-        tokens=tokens,
-        per_linear=stats,
+    settings = BuildSettings(
+        method=Method(method), rotation=Rotation(config, "hadamard", 0), tokens=tokens
     )
+    stats = build(tmp_path / "pkg", Source.from_arrays(state(model), config), settings).per_linear
     assert len(stats) == 2 * 7 + 1  # lm_head included
     for name, e in stats.items():
         assert e["w4_hessian_err_vs_rtn"] < 1, name
@@ -176,13 +172,12 @@ def test_converted_package_runs_speculative_decoding(tmp_path):
     model = tiny_hf("llama")
     model.save_pretrained(tmp_path / "hf")
     write_tokenizer(tmp_path / "hf")
-    from bitnest_mlx.convert import convert
+    from bitnest_mlx.convert import ConvertSettings, convert
 
     convert(
         out=tmp_path / "pkg",
         hf_path=tmp_path / "hf",
-        method="rtn",
-        rotate_kind="random",
+        settings=ConvertSettings(method="rtn", rotate_kind="random"),
         scratch=tmp_path,
     )
     from bitnest_mlx.speculative import speculative_generate_step
@@ -223,7 +218,7 @@ def test_gptq_residual_recovers_w8_accuracy_lost_to_saturation():
 
 
 def test_convert_warns_when_calibration_tokens_leave_the_widest_hessian_singular(tmp_path):
-    from bitnest_mlx.convert import convert
+    from bitnest_mlx.convert import ConvertSettings, convert
     from bitnest_mlx.demo import write_tokenizer
 
     tiny_hf("llama").save_pretrained(tmp_path / "hf")  # intermediate_size 384
@@ -232,9 +227,7 @@ def test_convert_warns_when_calibration_tokens_leave_the_widest_hessian_singular
         convert(
             out=tmp_path / "pkg",
             hf_path=tmp_path / "hf",
-            method="gptq",
-            calib_tokens=256,
-            calib_seq_len=64,
+            settings=ConvertSettings(method="gptq", calib_tokens=256, calib_seq_len=64),
             scratch=tmp_path,
         )
     assert (tmp_path / "pkg" / "bitnest.json").is_file()  # a warning, not a refusal
@@ -258,14 +251,12 @@ def test_calibration_text_shorter_than_asked_warns_with_its_name_and_counts(tmp_
 
 
 def test_builtin_corpus_holds_the_converters_default_calibration_tokens():
-    import inspect
     import warnings
 
-    from bitnest_mlx.convert import convert
+    from bitnest_mlx.convert import ConvertSettings
     from bitnest_mlx.convert.calib import calibration_tokens
 
-    default = inspect.signature(convert).parameters["calib_tokens"].default
-    seq_len = inspect.signature(convert).parameters["calib_seq_len"].default
+    default, seq_len = ConvertSettings().calib_tokens, ConvertSettings().calib_seq_len
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tokens = calibration_tokens(_WordTokenizer(), None, default, seq_len)

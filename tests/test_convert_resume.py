@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bitnest_mlx.cli.convert import main
-from bitnest_mlx.convert import ResumeError, checkpoint, convert, pipeline
+from bitnest_mlx.convert import ConvertSettings, ResumeError, checkpoint, convert, pipeline
 from bitnest_mlx.convert.calibrate import Calibration
 from bitnest_mlx.convert.methods import Method
 from bitnest_mlx.convert.resume import RECORD, RESUME_DIR, _try_lock
@@ -24,7 +24,8 @@ from bitnest_mlx.formats.bitnest import read
 
 LAYERS = 3
 CALIB = ["--calib-tokens", "1024", "--calib-seq-len", "64"]
-SETTINGS = {"method": "gptq", "calib_tokens": 1024, "calib_seq_len": 64}
+RTN = ConvertSettings(method="rtn")
+SETTINGS = ConvertSettings(method="gptq", calib_tokens=1024, calib_seq_len=64)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def reference(ckpt, tmp_path_factory) -> dict[str, str]:
             Stages, "report", lambda self: {"stages": {}, "seconds": 0.0, "peak_rss_gb": 0.0}
         )
         mp.setitem(pipeline.build.__kwdefaults__, "shard_bytes", 2**20)
-        convert(out=out, hf_path=ckpt, scratch=out.parent, **SETTINGS)
+        convert(out=out, hf_path=ckpt, scratch=out.parent, settings=SETTINGS)
     assert (out / "model.safetensors.index.json").is_file()
     read(out)  # every rule of the format, the joined shards' framing and checksums included
     return digest(out)
@@ -126,7 +127,7 @@ def test_a_resumed_conversion_is_byte_identical_and_recomputes_no_finished_layer
     with monkeypatch.context() as mp:
         stop_at_layer(mp, 1, KeyboardInterrupt())
         with pytest.raises(KeyboardInterrupt):
-            convert(out=out, hf_path=ckpt, scratch=tmp_path, **SETTINGS)
+            convert(out=out, hf_path=ckpt, scratch=tmp_path, settings=SETTINGS)
     assert not out.exists() and record(out)["layers_done"] == 1
     # What a kill in the middle of layer 1 or of the final renames could leave: a cut segment,
     # cut hidden states, a half-finished package. The record names none of them.
@@ -136,7 +137,7 @@ def test_a_resumed_conversion_is_byte_identical_and_recomputes_no_finished_layer
     (kept / "model-00001-of-00002.safetensors").write_bytes(b"cut short")
 
     counts = Counts(monkeypatch)
-    convert(out=out, hf_path=ckpt, scratch=tmp_path, **SETTINGS)
+    convert(out=out, hf_path=ckpt, scratch=tmp_path, settings=SETTINGS)
     assert counts.read == counts.hessians == [1, 2]  # layer 0 is not read or calibrated again
     assert counts.quantized == 2 * 7 + 1  # layers 1 and 2, lm_head
     assert digest(out) == reference
@@ -178,7 +179,7 @@ main({["--hf-path", str(ckpt), "--out", str(out), "--method", "gptq", *CALIB]!r}
     monkeypatch = pytest.MonkeyPatch()
     try:
         monkeypatch.setitem(pipeline.build.__kwdefaults__, "shard_bytes", 2**20)
-        convert(out=out, hf_path=ckpt, scratch=tmp_path, **SETTINGS)
+        convert(out=out, hf_path=ckpt, scratch=tmp_path, settings=SETTINGS)
     finally:
         monkeypatch.undo()
     assert digest(out) == reference
@@ -228,11 +229,11 @@ def test_a_changed_source_is_refused_and_the_same_one_resumes(ckpt, tmp_path, mo
     os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     try:
         with pytest.raises(ResumeError, match="whose file config.json has changed since"):
-            convert(out=out, hf_path=ckpt, method="rtn", scratch=tmp_path)
+            convert(out=out, hf_path=ckpt, settings=RTN, scratch=tmp_path)
     finally:
         os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     counts = Counts(monkeypatch)
-    convert(out=out, hf_path=ckpt, method="rtn", scratch=tmp_path)
+    convert(out=out, hf_path=ckpt, settings=RTN, scratch=tmp_path)
     assert counts.read == list(range(1, LAYERS))
 
 
@@ -240,7 +241,7 @@ def test_nothing_is_kept_when_the_first_layer_did_not_finish(ckpt, tmp_path, mon
     with monkeypatch.context() as mp:
         stop_at_layer(mp, 0, RuntimeError("disk on fire"))
         with pytest.raises(RuntimeError):
-            convert(out=tmp_path / "pkg", hf_path=ckpt, method="rtn", scratch=tmp_path)
+            convert(out=tmp_path / "pkg", hf_path=ckpt, settings=RTN, scratch=tmp_path)
     assert list(tmp_path.glob(".pkg.*")) == []
 
 
@@ -261,7 +262,7 @@ def test_a_partial_another_run_is_writing_is_left_alone(ckpt, tmp_path, monkeypa
     lock = _try_lock(partial_of(out) / RESUME_DIR)  # as the other process would hold it
     try:
         with pytest.raises(ResumeError, match="being written by another conversion"):
-            convert(out=out, hf_path=ckpt, method="rtn", scratch=tmp_path, fresh=True)
+            convert(out=out, hf_path=ckpt, settings=RTN, scratch=tmp_path, fresh=True)
     finally:
         os.close(lock)
     assert record(out)["layers_done"] == 1
@@ -269,17 +270,17 @@ def test_a_partial_another_run_is_writing_is_left_alone(ckpt, tmp_path, monkeypa
 
 def test_a_smoothed_conversion_resumes_with_its_kept_search(ckpt, tmp_path, monkeypatch):
     """--smooth: the search ran once, before layer 0; the resumed run reads its result back."""
-    settings = {"method": "rtn", "smooth": True, "calib_tokens": 1024, "calib_seq_len": 64}
-    convert(out=tmp_path / "ref", hf_path=ckpt, scratch=tmp_path, **settings)
+    settings = ConvertSettings(method="rtn", smooth=True, calib_tokens=1024, calib_seq_len=64)
+    convert(out=tmp_path / "ref", hf_path=ckpt, scratch=tmp_path, settings=settings)
     out = tmp_path / "pkg"
     with monkeypatch.context() as mp:
         stop_at_layer(mp, 2, KeyboardInterrupt())
         with pytest.raises(KeyboardInterrupt):
-            convert(out=out, hf_path=ckpt, scratch=tmp_path, **settings)
+            convert(out=out, hf_path=ckpt, scratch=tmp_path, settings=settings)
     assert "smoothing" in record(out)
     monkeypatch.setattr(
         "bitnest_mlx.convert.smoothing_vectors", lambda *a, **k: pytest.fail("searched again")
     )
-    convert(out=out, hf_path=ckpt, scratch=tmp_path, **settings)
+    convert(out=out, hf_path=ckpt, scratch=tmp_path, settings=settings)
     assert digest(out) == digest(tmp_path / "ref")
     assert json.loads((out / "bitnest.json").read_text())["norms"].get("smoothing") is True

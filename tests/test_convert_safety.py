@@ -14,7 +14,13 @@ from factory import tiny_hf  # noqa: E402
 
 import bitnest_mlx.convert as convert_module  # noqa: E402
 from bitnest_mlx.cli.convert import main  # noqa: E402
-from bitnest_mlx.convert import OutputError, atomic_directory, check_output, convert  # noqa: E402
+from bitnest_mlx.convert import (  # noqa: E402
+    ConvertSettings,
+    OutputError,
+    atomic_directory,
+    check_output,
+    convert,
+)
 from bitnest_mlx.convert.methods import Method  # noqa: E402
 from bitnest_mlx.demo import write_tokenizer  # noqa: E402
 
@@ -100,7 +106,7 @@ def test_existing_non_empty_out_is_refused_without_force_and_replaced_with_it(hf
 def test_an_existing_empty_out_is_written_without_force(hf, tmp_path):
     out = tmp_path / "empty"
     out.mkdir()
-    summary = convert(out=out, hf_path=hf, method="rtn", scratch=tmp_path)
+    summary = convert(out=out, hf_path=hf, settings=ConvertSettings(method="rtn"), scratch=tmp_path)
     assert summary["out"] == str(out) and (out / "model.safetensors").is_file()
     assert hidden(tmp_path) == []
 
@@ -130,7 +136,7 @@ def test_an_interrupted_conversion_leaves_neither_out_nor_a_temporary_folder(
     interrupt.patch(monkeypatch)
     out = tmp_path / "pkg"
     with pytest.raises(type(error)):
-        convert(out=out, hf_path=hf, method="rtn", scratch=tmp_path)
+        convert(out=out, hf_path=hf, settings=ConvertSettings(method="rtn"), scratch=tmp_path)
     assert interrupt.calls == 2
     assert not out.exists() and hidden(tmp_path) == []
 

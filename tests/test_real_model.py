@@ -92,11 +92,11 @@ def test_smollm2_converts_from_its_gguf_at_group_64_and_its_w8_target_tracks_flo
     import json
 
     import bitnest_mlx
-    from bitnest_mlx.convert import convert
+    from bitnest_mlx.convert import ConvertSettings, convert
     from bitnest_mlx.evaluation import evaluate
 
     out = tmp_path / "pkg"
-    convert(out=out, gguf=SMOLLM2, method="rtn", scratch=tmp_path)
+    convert(out=out, gguf=SMOLLM2, settings=ConvertSettings(method="rtn"), scratch=tmp_path)
     manifest = json.loads((out / "bitnest.json").read_text())
     assert manifest["group_size"] == 64
     assert "/" not in manifest["source_model"]  # the GGUF's general.name, not a local path

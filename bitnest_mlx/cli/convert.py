@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..convert import OutputError, convert
+from ..convert import ConvertSettings, OutputError, convert
 from ..convert.calib import CALIB_TOKENS
 from ..convert.joint import W8_BUDGET
 from ..convert.resume import describe
@@ -214,6 +214,28 @@ def _stages_line(summary: dict) -> str:
     )
 
 
+def settings_of(args: argparse.Namespace) -> ConvertSettings:
+    """The parsed flags that change the package."""
+    return ConvertSettings(
+        calib=args.calib,
+        method=args.method,
+        rotate_kind=args.rotate,
+        seed=args.seed,
+        calib_tokens=args.calib_tokens,
+        calib_seq_len=args.calib_seq_len,
+        damp=args.damp,
+        lo_method=args.lo,
+        w8_slack=args.w8_slack,
+        lambda_draft=args.lambda_draft,
+        w8_budget=args.w8_budget,
+        r3=args.r3 == "on",
+        kv_group=args.kv_group,
+        smooth=args.smooth,
+        group_size=args.group_size,
+        draft_vocab=args.draft_vocab,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if argv is None:  # a process of its own (not a call from Python): worth the faster BLAS
@@ -229,22 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                 hf_path=args.hf_path,
                 gguf=args.gguf,
                 out=args.out,
-                calib=args.calib,
-                method=args.method,
-                rotate_kind=args.rotate,
-                seed=args.seed,
-                calib_tokens=args.calib_tokens,
-                calib_seq_len=args.calib_seq_len,
-                damp=args.damp,
-                lo_method=args.lo,
-                w8_slack=args.w8_slack,
-                lambda_draft=args.lambda_draft,
-                w8_budget=args.w8_budget,
-                r3=args.r3 == "on",
-                kv_group=args.kv_group,
-                smooth=args.smooth,
-                group_size=args.group_size,
-                draft_vocab=args.draft_vocab,
+                settings=settings_of(args),
                 scratch=Path(tmp),
                 force=args.force,
                 fresh=args.fresh,

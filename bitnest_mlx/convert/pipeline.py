@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,10 +28,10 @@ from ..formats.bitnest import (
 from ..formats.bitnest.writer import PackageWriter
 from ..formats.hadamard import hadamard_k, split_k
 from .calibrate import Calibration
-from .methods import Method
 from .package import layer_names, stored_embedding, stored_head, stored_layer
 from .resume import Partial
 from .rotation import Rotation
+from .settings import BuildSettings
 from .sources import Source
 from .stages import Stages
 from .workers import LinearPool
@@ -75,164 +76,189 @@ def _check_source(source, config: dict, group_size: int | None) -> int:
     return group
 
 
+RTN = BuildSettings()  # the default: rounding to nearest, no rotation, no calibration
+
+
+@dataclass(frozen=True)
+class Built:
+    """What `build` wrote: the package's folder and each Linear's diagnostics."""
+
+    path: Path
+    per_linear: dict[str, dict]
+
+
 def build(
     out_dir: str | Path,
     source,
+    settings: BuildSettings = RTN,
     *,
-    method: Method | None = None,
-    quantize: Callable[[str, np.ndarray], Planes] | None = None,
-    rotation: Rotation | None = None,
-    tokens: np.ndarray | None = None,
-    smoothing: Mapping[str, np.ndarray] | None = None,
-    group_size: int | None = None,
-    name: str | None = None,
-    source_model: str | None = None,
-    notes: dict | Callable[[], dict] | None = None,
-    r3: bool = False,
-    kv_group: int | None = None,
     stages: Stages | None = None,
     progress: bool = False,
-    per_linear: dict[str, dict] | None = None,
-    shard_bytes: int = 2 * 2**30,
     resume: Partial | None = None,
-) -> Path:
-    """Write `source` (a `sources.Source`) as a package in `out_dir`.
-
-    `method` chooses the planes (calibrated methods need `tokens` [n_seq, seq_len]); a
-    `quantize(name, w)` callback overrides it (no calibration); neither: RTN. `smoothing` is the
-    norms' vectors (already chosen). `per_linear` (a dict) receives each Linear's diagnostics.
-    `notes` is the manifest's `conversion` block, or a function giving it once every Linear is
-    quantized (so it can hold the diagnostics and the stages' resources).
+    shard_bytes: int = 2 * 2**30,
+) -> Built:
+    """Write `source` (a `sources.Source`) as a package in `out_dir`, as `settings` say (no
+    method and no `quantize`: RTN).
 
     `resume` (the partial folder `out_dir` is, `resume.py`) records each finished layer and
     continues after those it already holds: their tensors, diagnostics and the calibration's
     hidden states come from its record, and they are not computed again."""
     own_stages = Stages() if stages is None else None
-    stages = stages or own_stages
-    pool: LinearPool | None = None
-    bar = None
+    run = _Build(source, settings, stages or own_stages, progress)
     try:
-        config = source.config  # completed by the source: head_dim, kv heads, RoPE
-        group = _check_source(source, config, group_size)
-        method = method or Method("rtn")
-        if method.calibrated and quantize is None and tokens is None:
-            raise ValueError(f"method {method.name} needs calibration tokens")
-        n_layers = config["num_hidden_layers"]
-        shapes = linear_shapes(config)
-        available = set(source.names())
+        run.open(out_dir, resume, shard_bytes)
+        for i in range(run.start, source.config["num_hidden_layers"]):
+            run.layer(i)
+        return Built(run.finish(), run.stats)
+    finally:
+        run.close()
+        if own_stages is not None:
+            own_stages.close()
+
+
+class _Build:
+    """One build's state, shared by its steps: the writer, the calibration, the quantizing
+    workers, the progress bar and the per-Linear diagnostics gathered so far."""
+
+    def __init__(self, source, settings: BuildSettings, stages: Stages, progress: bool):
+        self.source, self.settings, self.stages, self.progress = source, settings, stages, progress
+        self.stats: dict[str, dict] = {}
+        self.pool: LinearPool | None = None
+        self.bar = None
+
+    def open(self, out_dir: str | Path, resume: Partial | None, shard_bytes: int) -> None:
+        """Checks the source, then starts the writer, the calibration (at the first layer to
+        write), the workers and the bar."""
+        s, config = self.settings, self.source.config  # completed by the source: head_dim, ...
+        self.group = _check_source(self.source, config, s.group_size)
+        if s.method.calibrated and s.quantize is None and s.tokens is None:
+            raise ValueError(f"method {s.method.name} needs calibration tokens")
         k = split_k(config["intermediate_size"])
-        had = hadamard_k(k) if k > 1 else None
-        biased = {lin for lin in shapes if f"{lin}.bias" in available}
-        stats = {} if per_linear is None else per_linear
+        self.had = hadamard_k(k) if k > 1 else None
+        self.writer = self._writer(out_dir, resume, shard_bytes)
+        self.resume = resume
+        self.start = 0 if resume is None else resume.layers_done
+        calibrated = s.tokens is not None and s.method.calibrated and s.quantize is None
+        calibration = (s.tokens if calibrated else None, self.had, s.smoothing)
+        self.calib = _start(self.writer, self.source, s.rotation, self.stages, resume, calibration)
+        self.stats.update(resume.per_linear if self.start else {})
+        self.pool = LinearPool(s.method, self.group, None if s.quantize is None else 1)
+        self.bar = tqdm(
+            total=config["num_hidden_layers"] + 1,
+            initial=self.start,
+            desc=f"{s.method.name} {self.source.name}",
+            unit="layer",
+            disable=not self.progress,
+        )
 
-        def record(lin: str, planes: Planes, errors: dict) -> Planes:
-            stats[lin] = {
-                **{key: round(v, 4) for key, v in errors.items()},
-                "saturation": round(planes.saturation, 6),
-                "w8_max_rel_err": float(f"{planes.w8_max_rel_err:.3e}"),
-                "w4_rel_fro_err": round(planes.w4_rel_fro_err, 5),
-            }
-            if "w4_hessian_err_vs_rtn" in errors and progress:
-                e = errors
-                tqdm.write(
-                    f"{lin}: output error vs RTN: W4 {e['w4_hessian_err_vs_rtn']:.3f}x, "
-                    f"W8 {e['w8_hessian_err_vs_rtn']:.3f}x"
-                    + (f" (lambda {e['lambda_draft']:.3g})" if "lambda_draft" in e else ""),
-                    file=sys.stderr,
-                )
-            return planes
-
-        def choose_here(name: str, w: np.ndarray, h: np.ndarray | None) -> tuple[Planes, dict]:
-            """One Linear's planes in this process: the callback's, else the method's."""
-            if quantize is not None:
-                return quantize(name, w), {}
-            return method.quantize(w, h, group, {})
-
-        def choose_layer(
-            prefix: str, w: Mapping[str, np.ndarray], hessians: Mapping[str, np.ndarray]
-        ) -> dict[str, tuple[Planes, dict]]:
-            weights = {lin: w[f"{lin}.weight"] for lin in LAYER_LINEARS}
-            with stages("quantize"):
-                if quantize is not None:
-                    return {lin: choose_here(prefix + lin, x, None) for lin, x in weights.items()}
-                return pool.quantize_layer(weights, hessians)
-
-        writer = PackageWriter(
+    def _writer(self, out_dir: str | Path, resume: Partial | None, shard_bytes: int):
+        s, source, config = self.settings, self.source, self.source.config
+        available = set(source.names())
+        return PackageWriter(
             out_dir,
             config,
-            biased=biased,
-            had_k=had,
-            group_size=group,
+            biased={lin for lin in linear_shapes(config) if f"{lin}.bias" in available},
+            had_k=self.had,
+            group_size=self.group,
             tokenizer_dir=source.tokenizer_dir,
-            name=name or source.name,
-            source_model=source_model,
-            r3=r3,
-            kv_group=kv_group,
-            norms=None if smoothing is None else dict(smoothing),
+            name=s.name or source.name,
+            source_model=s.source_model,
+            r3=s.r3,
+            kv_group=s.kv_group,
+            norms=None if s.smoothing is None else dict(s.smoothing),
             shard_bytes=shard_bytes,
             segment_dir=None if resume is None else resume.folder,
         )
-        start = 0 if resume is None else resume.layers_done
-        calibrated = tokens is not None and method.calibrated and quantize is None
-        calibration = (tokens if calibrated else None, had, smoothing)
-        calib = _start(writer, source, rotation, stages, resume, calibration)
-        stats.update(resume.per_linear if start else {})
-        pool = LinearPool(method, group, None if quantize is None else 1)
 
-        bar = tqdm(
-            total=n_layers + 1,
-            initial=start,
-            desc=f"{method.name} {source.name}",
-            unit="layer",
-            disable=not progress,
-        )
-        for i in range(start, n_layers):
-            p = f"model.layers.{i}."
-            with stages("read"):
-                w = stored_layer(source, i, rotation, smoothing, had)
-            hessians = {}
-            if calib is not None:
-                with stages("calibrate"):
-                    hessians = calib.hessians(i, w)
-            planes, chosen = {}, choose_layer(p, w, hessians)
-            for lin in LAYER_LINEARS:
-                planes[lin] = record(p + lin, *chosen[lin])
-                with stages("write"):
-                    writer.add_linear(p + lin, planes[lin], w.get(f"{lin}.bias"))
-            del hessians, chosen
-            if calib is not None:
-                with stages("calibrate"):
-                    calib.advance(i, planes, w)
-            del w, planes
-            if resume is not None:  # layer i is on the disk, and where the next one starts
-                with stages("write"):
-                    hidden = None if calib is None else calib.h
-                    resume.save_layer(i + 1, writer.checkpoint(), stats, hidden)
-            bar.update()
-
-        pool.close()  # lm_head is one task: the workers' memory is better spent on it
+    def layer(self, i: int) -> None:
+        """Decoder layer i: read, calibrate, quantize, write, move the calibration on, record."""
+        p, s, stages = f"model.layers.{i}.", self.settings, self.stages
         with stages("read"):
-            head = stored_head(source, rotation, smoothing)
-        h = None
-        if calib is not None:
+            w = stored_layer(self.source, i, s.rotation, s.smoothing, self.had)
+        hessians = {}
+        if self.calib is not None:
             with stages("calibrate"):
-                h = calib.final_hessian()
-                del calib
+                hessians = self.calib.hessians(i, w)
+        planes, chosen = {}, self._choose_layer(p, w, hessians)
+        for lin in LAYER_LINEARS:
+            planes[lin] = self._record(p + lin, *chosen[lin])
+            with stages("write"):
+                self.writer.add_linear(p + lin, planes[lin], w.get(f"{lin}.bias"))
+        del hessians, chosen
+        if self.calib is not None:
+            with stages("calibrate"):
+                self.calib.advance(i, planes, w)
+        del w, planes
+        if self.resume is not None:  # layer i is on the disk, and where the next one starts
+            with stages("write"):
+                hidden = None if self.calib is None else self.calib.h
+                self.resume.save_layer(i + 1, self.writer.checkpoint(), self.stats, hidden)
+        self.bar.update()
+
+    def finish(self) -> Path:
+        """lm_head, then the manifest; returns the package's folder."""
+        self.pool.close()  # lm_head is one task: the workers' memory is better spent on it
+        s, stages = self.settings, self.stages
+        with stages("read"):
+            head = stored_head(self.source, s.rotation, s.smoothing)
+        h = None
+        if self.calib is not None:
+            with stages("calibrate"):
+                h = self.calib.final_hessian()
+                self.calib = None  # its hidden states, before lm_head's planes
         with stages("quantize"):
-            planes = record("lm_head", *choose_here("lm_head", head, h))
+            planes = self._record("lm_head", *self._choose_here("lm_head", head, h))
         del head, h
         with stages("write"):
-            writer.add_linear("lm_head", planes)
-            bar.update()
-            bar.close()
-            return writer.finish(notes() if callable(notes) else notes)
-    finally:
-        if bar is not None:  # ends its line: an error's message starts on a line of its own
-            bar.close()
-        if pool is not None:
-            pool.close()
-        if own_stages is not None:
-            own_stages.close()
+            self.writer.add_linear("lm_head", planes)
+            self.bar.update()
+            self.bar.close()
+            return self.writer.finish(self._notes())
+
+    def _notes(self) -> dict | None:
+        s = self.settings
+        if not s.diagnostics:
+            return s.notes
+        # Up to here: the checksum pass over the shards is not in the resources.
+        return {**(s.notes or {}), "per_linear": self.stats, "resources": self.stages.report()}
+
+    def _record(self, lin: str, planes: Planes, errors: dict) -> Planes:
+        self.stats[lin] = {
+            **{key: round(v, 4) for key, v in errors.items()},
+            "saturation": round(planes.saturation, 6),
+            "w8_max_rel_err": float(f"{planes.w8_max_rel_err:.3e}"),
+            "w4_rel_fro_err": round(planes.w4_rel_fro_err, 5),
+        }
+        if "w4_hessian_err_vs_rtn" in errors and self.progress:
+            e = errors
+            tqdm.write(
+                f"{lin}: output error vs RTN: W4 {e['w4_hessian_err_vs_rtn']:.3f}x, "
+                f"W8 {e['w8_hessian_err_vs_rtn']:.3f}x"
+                + (f" (lambda {e['lambda_draft']:.3g})" if "lambda_draft" in e else ""),
+                file=sys.stderr,
+            )
+        return planes
+
+    def _choose_here(self, name: str, w: np.ndarray, h: np.ndarray | None) -> tuple[Planes, dict]:
+        """One Linear's planes in this process: the callback's, else the method's."""
+        if self.settings.quantize is not None:
+            return self.settings.quantize(name, w), {}
+        return self.settings.method.quantize(w, h, self.group, {})
+
+    def _choose_layer(
+        self, prefix: str, w: Mapping[str, np.ndarray], hessians: Mapping[str, np.ndarray]
+    ) -> dict[str, tuple[Planes, dict]]:
+        weights = {lin: w[f"{lin}.weight"] for lin in LAYER_LINEARS}
+        with self.stages("quantize"):
+            if self.settings.quantize is not None:
+                return {lin: self._choose_here(prefix + lin, x, None) for lin, x in weights.items()}
+            return self.pool.quantize_layer(weights, hessians)
+
+    def close(self) -> None:
+        if self.bar is not None:  # ends its line: an error's message starts on a line of its own
+            self.bar.close()
+        if self.pool is not None:
+            self.pool.close()
 
 
 def _start(
@@ -294,9 +320,7 @@ def write_package(
     """
     tok = Path(tokenizer_dir) if tokenizer_dir is not None else None
     source = Source.from_arrays(weights, config, tok, name or Path(out_dir).name)
-    return build(
-        out_dir,
-        source,
+    settings = BuildSettings(
         quantize=quantize,
         name=name,
         source_model=source_model,
@@ -306,3 +330,4 @@ def write_package(
         smoothing=smoothing,
         group_size=group_size,
     )
+    return build(out_dir, source, settings).path
