@@ -11,14 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generate_step
-from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
 from .. import dsv4_bench, kernels, speculative
@@ -44,6 +42,7 @@ from .args import (
     positive_int,
     refuse,
 )
+from .bench_measure import bench_prompt, best_of, measure_generation, measure_prefill, mlx_lm_peer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,85 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _best(fn: Callable[[], dict], repeats: int, key: str) -> dict:
-    """Best of `repeats` runs by `key`; a shared CPU makes single runs noisy."""
-    return max((fn() for _ in range(max(repeats, 1))), key=lambda r: r[key])
-
-
-def measure_prefill(model: nn.Module, prompt: mx.array, **kw) -> dict:
-    """One forward pass over the whole prompt (after a short warm-up): tok/s and peak memory."""
-    mx.eval(model(prompt[None, :8], model.make_cache(), **kw))
-    mx.reset_peak_memory()
-    tic = time.perf_counter()
-    mx.eval(model(prompt[None], model.make_cache(), **kw))
-    seconds = time.perf_counter() - tic
-    return {"tps": prompt.size / seconds, "peak_memory_gb": mx.get_peak_memory() / 1e9}
-
-
-def measure_generation(steps: Callable[[], Iterator], n: int) -> dict:
-    """Generation tok/s from the first token on (prompt time excluded, like mlx-lm)."""
-    for _ in zip(range(2), steps()):  # warm-up: first-call allocation and compilation
-        pass
-    mx.reset_peak_memory()
-    tic, count = None, 0
-    for _ in steps():
-        count += 1
-        if tic is None:
-            tic = time.perf_counter()
-    seconds = time.perf_counter() - tic
-    return {
-        "tps": (count - 1) / seconds if count > 1 else 0.0,
-        "tokens": count,
-        "peak_memory_gb": mx.get_peak_memory() / 1e9,
-    }
-
-
-def mlx_lm_peer(args, bits: int, dtype: mx.Dtype) -> nn.Module:
-    """mlx-lm's Llama with this package's dims and weight group, random weights, nn.quantize."""
-    a = args
-    peer = llama.Model(
-        llama.ModelArgs(
-            model_type="llama",
-            hidden_size=a.hidden_size,
-            num_hidden_layers=a.num_hidden_layers,
-            intermediate_size=a.intermediate_size,
-            num_attention_heads=a.num_attention_heads,
-            num_key_value_heads=a.num_key_value_heads,
-            head_dim=a.head_dim,
-            rms_norm_eps=a.rms_norm_eps,
-            vocab_size=a.vocab_size,
-            rope_theta=a.rope_theta,
-            rope_scaling=a.rope_scaling,
-            max_position_embeddings=a.max_position_embeddings,
-            tie_word_embeddings=False,
-        )
-    )
-    peer.set_dtype(dtype)
-    # The package's group: the peer then reads as many scale bytes per weight as the planes.
-    nn.quantize(peer, group_size=a.group_size, bits=bits)
-    mx.eval(peer.parameters())
-    return peer
-
-
-# Plain English prose for prompts, so that acceptance is that of ordinary text.
-BENCH_TEXT = """\
-The river runs slowly past the old mill, and in the evening the light falls across the water
-like a sheet of copper. People walk along the bank with their dogs, and children throw stones to
-see how far they can skip. In the spring the water rises and the meadow floods, and the birds come
-back from the south to build their nests in the reeds. There is a small bridge made of stone where
-the road crosses the river, and a bench beside it where the older people of the village sit and
-talk about the weather, the price of bread and the news from the town.
-"""
-
-
-def bench_prompt(tokenizer, n: int, vocab: int) -> mx.array:
-    """`n` tokens of English text (repeated as needed), so acceptance is realistic."""
-    if tokenizer is None:  # a bundle without tokenizer files (synthetic): any ids will do
-        return mx.array([2 + i % (vocab - 2) for i in range(n)], dtype=mx.uint32)
-    ids = [t for t in tokenizer.encode(" ".join(BENCH_TEXT.split())) if t < vocab]
-    return mx.array((ids * (n // max(len(ids), 1) + 1))[:n], dtype=mx.uint32)
-
-
 def run(args: argparse.Namespace) -> dict:
     mx.random.seed(args.seed)
     model_path = str(resolve_model(args.model))
@@ -191,11 +111,16 @@ def run(args: argparse.Namespace) -> dict:
     model, tokenizer = load(
         model_path, max_expert_memory=args.max_expert_memory, verify=args.verify
     )
-    a = model.args
-    prompt = bench_prompt(tokenizer, args.prompt_tokens, a.vocab_size)
-    n, rep = args.gen_tokens, args.repeats
+    prompt = bench_prompt(tokenizer, args.prompt_tokens, model.args.vocab_size)
     if not model.supports_draft:
         return run_single_precision(model, str(model_path), prompt, args, memory)
+    return run_two_precisions(model, model_path, prompt, args)
+
+
+def run_two_precisions(model: nn.Module, model_path: str, prompt: mx.array, args) -> dict:
+    """Models with a draft and a target: prefill and generation of each mode, the speculative
+    loop with and without fallback, the roofline and (unless --no-mlx-lm) mlx-lm's peers."""
+    n, rep = args.gen_tokens, args.repeats
     dtype = model.embed_tokens.weight.dtype
     sampler = make_sampler(args.temp)
     context = prompt.size + n
@@ -203,94 +128,28 @@ def run(args: argparse.Namespace) -> dict:
     # speculative runs decide each round.
     draft_kv = resolve_draft_kv(args.draft_kv, model, context)
     model.options = replace(model.options, draft_kv=draft_kv)
-
-    def plain(m: nn.Module, mode: str | None = None) -> Callable[[], Iterator]:
-        """mlx-lm's own decoding loop; bitnest models in a fixed mode."""
-        s = mlx_lm_make_sampler(args.temp)
-
-        def steps():
-            if mode is not None:
-                m.mode = mode
-            return generate_step(prompt, m, max_tokens=n, sampler=s)
-
-        return steps
-
     spec_stats: dict[str, speculative.SpeculativeStats] = {}
-
-    def spec(name: str, fallback: bool) -> Callable[[], Iterator]:
-        def steps():
-            spec_stats[name] = speculative.SpeculativeStats()  # the last run's counters are kept
-            return speculative.speculative_generate_step(
-                prompt,
-                model,
-                max_tokens=n,
-                sampler=sampler,
-                num_draft_tokens=args.num_draft_tokens,
-                fallback=fallback,
-                stats=spec_stats[name],
-                draft_kv=args.draft_kv,
-                draft_source=args.draft_source,
-                ngram_tokens=args.ngram_tokens,
-                draft_vocab_join=args.draft_vocab_join == "on",
-            )
-
-        return steps
-
     pp = {
-        mode: _best(lambda mode=mode: measure_prefill(model, prompt, mode=mode), rep, "tps")
+        mode: best_of(lambda mode=mode: measure_prefill(model, prompt, mode=mode), rep, "tps")
         for mode in ("draft", "target")
     }
     runs = {
-        "draft": plain(model, "draft"),
-        "target": plain(model, "target"),
-        "speculative": spec("speculative", fallback=False),
-        "speculative_auto": spec("speculative_auto", fallback=True),
+        "draft": _plain(model, prompt, n, args.temp, "draft"),
+        "target": _plain(model, prompt, n, args.temp, "target"),
+        "speculative": _spec(model, prompt, args, sampler, spec_stats, "speculative", False),
+        "speculative_auto": _spec(
+            model, prompt, args, sampler, spec_stats, "speculative_auto", True
+        ),
     }
-    gen = {k: _best(lambda f=f: measure_generation(f, n), rep, "tps") for k, f in runs.items()}
-    target_tps = gen["target"]["tps"]
-
-    def spec_summary(name: str) -> dict:
-        s = spec_stats[name]
-        return {
-            "acceptance_rate": s.acceptance_rate,
-            "mean_accepted": s.mean_accepted,
-            "mean_drafted": s.mean_drafted,
-            "draft_s": s.draft_s,
-            "verify_s": s.verify_s,
-            "generation_tps": gen[name]["tps"],
-            "fallback": s.fallback,
-            "speedup_vs_target": gen[name]["tps"] / target_tps,
-            "sources": s.sources,
-            "projected_speedup": {
-                chip: {path: s.projected_speedup(cost) for path, cost in by_path.items()}
-                for chip, by_path in cost_models(model, context).items()
-            },
-        }
-
+    gen = {k: best_of(lambda f=f: measure_generation(f, n), rep, "tps") for k, f in runs.items()}
+    specs = {
+        name: _spec_summary(
+            spec_stats[name], gen[name]["tps"], gen["target"]["tps"], model, context
+        )
+        for name in ("speculative", "speculative_auto")
+    }
     result = {
-        "model": str(model_path),
-        "backend": "gpu" if mx.metal.is_available() else "cpu",
-        "dtype": str(dtype),
-        "dims": {
-            "hidden_size": a.hidden_size,
-            "num_hidden_layers": a.num_hidden_layers,
-            "intermediate_size": a.intermediate_size,
-            "num_attention_heads": a.num_attention_heads,
-            "num_key_value_heads": a.num_key_value_heads,
-            "head_dim": a.head_dim,
-            "vocab_size": a.vocab_size,
-        },
-        "settings": {
-            "prompt_tokens": prompt.size,
-            "gen_tokens": n,
-            "num_draft_tokens": args.num_draft_tokens,
-            "temp": args.temp,
-            "repeats": rep,
-            "draft_kv": args.draft_kv,
-            "draft_source": args.draft_source,
-            "ngram_tokens": args.ngram_tokens,
-            "draft_vocab_join": args.draft_vocab_join,
-        },
+        **_describe(model, model_path, dtype, prompt, args),
         "verify_cost": verify_table(),
         "prompt_tps": {k: v["tps"] for k, v in pp.items()},
         "generation_tps": {k: v["tps"] for k, v in gen.items()},
@@ -298,8 +157,7 @@ def run(args: argparse.Namespace) -> dict:
             **{f"prompt_{k}": v["peak_memory_gb"] for k, v in pp.items()},
             **{k: v["peak_memory_gb"] for k, v in gen.items()},
         },
-        "speculative": spec_summary("speculative"),
-        "speculative_auto": spec_summary("speculative_auto"),
+        **specs,
         "roofline": roofline(model, context, draft_kv),
         # Which path served each kernel-capable op (Metal kernel or pure MLX), with call counts.
         "paths": kernels.report(),
@@ -309,25 +167,115 @@ def run(args: argparse.Namespace) -> dict:
         per_token = result["roofline"]["bytes_per_token"]
         result["bandwidth"] = achieved_bandwidth(per_token, result["generation_tps"], peak)
     if not args.no_mlx_lm:
-        peers = {}
-        for bits in (4, 8):
-            peer = mlx_lm_peer(a, bits, dtype)
-            g = _best(lambda p=peer: measure_generation(plain(p), n), rep, "tps")
-            peers[f"q{bits}"] = {
-                "prompt_tps": _best(lambda p=peer: measure_prefill(p, prompt), rep, "tps")["tps"],
-                "generation_tps": g["tps"],
-                "peak_memory_gb": g["peak_memory_gb"],
-            }
-        q4, q8 = peers["q4"], peers["q8"]
-        result["mlx_lm"] = peers
-        result["ratios_vs_mlx_lm"] = {
-            "draft_prompt_vs_q4": pp["draft"]["tps"] / q4["prompt_tps"],
-            "target_prompt_vs_q8": pp["target"]["tps"] / q8["prompt_tps"],
-            "draft_generation_vs_q4": gen["draft"]["tps"] / q4["generation_tps"],
-            "target_generation_vs_q8": target_tps / q8["generation_tps"],
-            "speculative_generation_vs_q8": gen["speculative"]["tps"] / q8["generation_tps"],
-        }
+        result |= _mlx_lm_peers(model.args, dtype, prompt, n, rep, args.temp, pp, gen)
     return result
+
+
+def _plain(
+    m: nn.Module, prompt: mx.array, n: int, temp: float, mode: str | None = None
+) -> Callable[[], Iterator]:
+    """mlx-lm's own decoding loop; bitnest models in a fixed mode."""
+    s = mlx_lm_make_sampler(temp)
+
+    def steps():
+        if mode is not None:
+            m.mode = mode
+        return generate_step(prompt, m, max_tokens=n, sampler=s)
+
+    return steps
+
+
+def _spec(
+    model: nn.Module, prompt: mx.array, args, sampler, stats: dict, name: str, fallback: bool
+) -> Callable[[], Iterator]:
+    """The speculative loop as run `name`; each run leaves its counters in `stats[name]` (the
+    last run's are kept)."""
+
+    def steps():
+        stats[name] = speculative.SpeculativeStats()
+        return speculative.speculative_generate_step(
+            prompt,
+            model,
+            max_tokens=args.gen_tokens,
+            sampler=sampler,
+            num_draft_tokens=args.num_draft_tokens,
+            fallback=fallback,
+            stats=stats[name],
+            draft_kv=args.draft_kv,
+            draft_source=args.draft_source,
+            ngram_tokens=args.ngram_tokens,
+            draft_vocab_join=args.draft_vocab_join == "on",
+        )
+
+    return steps
+
+
+def _spec_summary(
+    s: speculative.SpeculativeStats, tps: float, target_tps: float, model, context: int
+) -> dict:
+    return {
+        "acceptance_rate": s.acceptance_rate,
+        "mean_accepted": s.mean_accepted,
+        "mean_drafted": s.mean_drafted,
+        "draft_s": s.draft_s,
+        "verify_s": s.verify_s,
+        "generation_tps": tps,
+        "fallback": s.fallback,
+        "speedup_vs_target": tps / target_tps,
+        "sources": s.sources,
+        "projected_speedup": {
+            chip: {path: s.projected_speedup(cost) for path, cost in by_path.items()}
+            for chip, by_path in cost_models(model, context).items()
+        },
+    }
+
+
+def _describe(model: nn.Module, model_path: str, dtype, prompt: mx.array, args) -> dict:
+    """The report's head: the model, backend, dims and the run's settings."""
+    a = model.args
+    dims = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads")
+    dims += ("num_key_value_heads", "head_dim", "vocab_size")
+    return {
+        "model": str(model_path),
+        "backend": "gpu" if mx.metal.is_available() else "cpu",
+        "dtype": str(dtype),
+        "dims": {key: getattr(a, key) for key in dims},
+        "settings": {
+            "prompt_tokens": prompt.size,
+            "gen_tokens": args.gen_tokens,
+            "num_draft_tokens": args.num_draft_tokens,
+            "temp": args.temp,
+            "repeats": args.repeats,
+            "draft_kv": args.draft_kv,
+            "draft_source": args.draft_source,
+            "ngram_tokens": args.ngram_tokens,
+            "draft_vocab_join": args.draft_vocab_join,
+        },
+    }
+
+
+def _mlx_lm_peers(
+    a, dtype, prompt: mx.array, n: int, rep: int, temp: float, pp: dict, gen: dict
+) -> dict:
+    """mlx-lm's Llama at 4 and 8 bits with these dims, and the package's speeds against them."""
+    peers = {}
+    for bits in (4, 8):
+        peer = mlx_lm_peer(a, bits, dtype)
+        g = best_of(lambda p=peer: measure_generation(_plain(p, prompt, n, temp), n), rep, "tps")
+        peers[f"q{bits}"] = {
+            "prompt_tps": best_of(lambda p=peer: measure_prefill(p, prompt), rep, "tps")["tps"],
+            "generation_tps": g["tps"],
+            "peak_memory_gb": g["peak_memory_gb"],
+        }
+    q4, q8 = peers["q4"], peers["q8"]
+    ratios = {
+        "draft_prompt_vs_q4": pp["draft"]["tps"] / q4["prompt_tps"],
+        "target_prompt_vs_q8": pp["target"]["tps"] / q8["prompt_tps"],
+        "draft_generation_vs_q4": gen["draft"]["tps"] / q4["generation_tps"],
+        "target_generation_vs_q8": gen["target"]["tps"] / q8["generation_tps"],
+        "speculative_generation_vs_q8": gen["speculative"]["tps"] / q8["generation_tps"],
+    }
+    return {"mlx_lm": peers, "ratios_vs_mlx_lm": ratios}
 
 
 def run_single_precision(
@@ -339,9 +287,9 @@ def run_single_precision(
     routed experts beside mlx-lm's SwitchGLU (bitnest_mlx/dsv4_bench.py)."""
     n, rep = args.gen_tokens, args.repeats
     sampler = mlx_lm_make_sampler(args.temp)
-    pp = _best(lambda: measure_prefill(model, prompt), rep, "tps")
+    pp = best_of(lambda: measure_prefill(model, prompt), rep, "tps")
     steps = lambda: generate_step(prompt, model, max_tokens=n, sampler=sampler)
-    gen = _best(lambda: measure_generation(steps, n), rep, "tps")
+    gen = best_of(lambda: measure_generation(steps, n), rep, "tps")
     return {
         "model": name,
         "model_type": model.model_type,
