@@ -54,6 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
         "interrupted conversion keeps its finished layers there, and the same command run again "
         "resumes it.",
     )
+    _add_paths(p)
+    _add_method(p)
+    _add_calibration(p)
+    _add_layout(p)
+    return p
+
+
+# The flags by what they decide, added in the order --help lists them.
+
+
+def _add_paths(p: argparse.ArgumentParser) -> None:
+    """Where the checkpoint comes from and where the package goes."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf-path", help="Hugging Face checkpoint directory (safetensors)")
     src.add_argument("--gguf", help="GGUF file of arch llama or qwen2")
@@ -80,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="delete an interrupted conversion to the same --out (its hidden .NAME.partial-* "
         "folder) and start over, instead of resuming it",
     )
+
+
+def _add_method(p: argparse.ArgumentParser) -> None:
+    """How each Linear's codes are chosen."""
     p.add_argument("--calib", help="calibration text file (default: built-in corpus)")
     p.add_argument(
         "--method",
@@ -105,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="joint, lambda auto: the target's calibration output error allowed, x that of "
         "8-bit rounding to nearest (>= 0; default %(default)s)",
     )
+
+
+def _add_calibration(p: argparse.ArgumentParser) -> None:
+    """The rotation, the calibration text's size and GPTQ's settings."""
     p.add_argument("--rotate", choices=ROTATIONS, default="hadamard", help="R1/R2 rotation kind")
     p.add_argument(
         "--seed", type=non_negative_int, default=0, help="seed for rotations (>= 0; default 0)"
@@ -142,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="GPTQ may move a hi code only to the hi nibble of a W8 code within this many W8 "
         "steps (s/16) of the weight; 'none' leaves it free, at a cost to the target (default 3)",
     )
+
+
+def _add_layout(p: argparse.ArgumentParser) -> None:
+    """What the package stores beside the weights: KV settings, groups, smoothing, draft vocab."""
     p.add_argument(
         "--r3",
         choices=("on", "off"),
@@ -184,7 +208,6 @@ def build_parser() -> argparse.ArgumentParser:
         "highest projected speedup by the bytes model (a vocabulary of 8192 or fewer stays "
         "full); full: no reduction",
     )
-    return p
 
 
 def _terminate(signum, frame):

@@ -68,6 +68,16 @@ def build_parser() -> Parser:
         description="Perplexity and bits per byte of a bitnest package on a text file, with the "
         "draft/target greedy agreement and the mean accepted length of speculative decoding.",
     )
+    _add_scoring(p)
+    _add_speculation(p)
+    return p
+
+
+# The flags by what they set, added in the order --help lists them.
+
+
+def _add_scoring(p: argparse.ArgumentParser) -> None:
+    """The model, the text and how it is scored in windows."""
     p.add_argument(
         "--model",
         default=DEMO,
@@ -93,6 +103,10 @@ def build_parser() -> Parser:
         default=512,
         help="context window, non-overlapping (>= 2; default %(default)s)",
     )
+
+
+def _add_speculation(p: argparse.ArgumentParser) -> None:
+    """The speculative runs: γ, tokens, prompts, sampling and the draft's settings."""
     p.add_argument(
         "--gamma",
         type=non_negative_int,
@@ -146,7 +160,6 @@ def build_parser() -> Parser:
     add_draft_vocab_join(p)
     add_verify(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
