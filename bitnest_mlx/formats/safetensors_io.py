@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,6 +164,15 @@ def read_header(f: Path, error: type[Exception]) -> dict[str, TensorSpan]:
     def fail(what: str) -> Exception:
         return error(" ".join(f"{f}: {what}".splitlines()))
 
+    header, n, size = _header_object(f, fail)
+    spans = {name: _span(name, entry, n, fail) for name, entry in header.items()}
+    _check_tiling(spans, n, size, fail)
+    return spans
+
+
+def _header_object(f: Path, fail: Callable[[str], Exception]) -> tuple[dict, int, int]:
+    """The header's tensor entries (`__metadata__` checked and removed), the header's length
+    and the file's size."""
     try:
         size = f.stat().st_size
         with open(f, "rb") as fh:
@@ -195,32 +205,41 @@ def read_header(f: Path, error: type[Exception]) -> dict[str, TensorSpan]:
         meta is None or isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
     ):
         raise fail("safetensors framing: __metadata__ is not null or an object of strings")
-    spans: dict[str, TensorSpan] = {}
-    for name, entry in header.items():
-        where = f"tensor {name}: safetensors framing:"
-        if not isinstance(entry, dict):
-            raise fail(f"{where} entry is {entry!r}, expected an object")
-        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-            raise fail(f"{where} dtype {dtype!r}, expected one of {', '.join(DTYPE_SIZES)}")
-        if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
-            raise fail(f"{where} shape {shape!r}, expected a list of non-negative integers")
-        if not (
-            isinstance(offsets, list)
-            and len(offsets) == 2
-            and all(_is_count(o) for o in offsets)
-            and offsets[0] <= offsets[1]
-        ):
-            raise fail(
-                f"{where} data_offsets {offsets!r}, expected [begin, end] with 0 <= begin <= end"
-            )
-        need = DTYPE_SIZES[dtype] * math.prod(shape)
-        if offsets[1] - offsets[0] != need:
-            raise fail(
-                f"{where} data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, "
-                f"expected {need} ({dtype} {shape})"
-            )
-        spans[name] = TensorSpan(dtype, tuple(shape), 8 + n + offsets[0], 8 + n + offsets[1])
+    return header, n, size
+
+
+def _span(name: str, entry, n: int, fail: Callable[[str], Exception]) -> TensorSpan:
+    """One header entry's dtype, shape and place in the file (the header being n bytes)."""
+    where = f"tensor {name}: safetensors framing:"
+    if not isinstance(entry, dict):
+        raise fail(f"{where} entry is {entry!r}, expected an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise fail(f"{where} dtype {dtype!r}, expected one of {', '.join(DTYPE_SIZES)}")
+    if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+        raise fail(f"{where} shape {shape!r}, expected a list of non-negative integers")
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_count(o) for o in offsets)
+        and offsets[0] <= offsets[1]
+    ):
+        raise fail(
+            f"{where} data_offsets {offsets!r}, expected [begin, end] with 0 <= begin <= end"
+        )
+    need = DTYPE_SIZES[dtype] * math.prod(shape)
+    if offsets[1] - offsets[0] != need:
+        raise fail(
+            f"{where} data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, "
+            f"expected {need} ({dtype} {shape})"
+        )
+    return TensorSpan(dtype, tuple(shape), 8 + n + offsets[0], 8 + n + offsets[1])
+
+
+def _check_tiling(
+    spans: dict[str, TensorSpan], n: int, size: int, fail: Callable[[str], Exception]
+) -> None:
+    """Sorted by offset, the tensors tile the data section: no gap, overlap or trailing bytes."""
     at = 8 + n  # where the next tensor must begin: the data section is tiled exactly
     for name, span in sorted(spans.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
         if span.begin != at:
@@ -238,7 +257,6 @@ def read_header(f: Path, error: type[Exception]) -> dict[str, TensorSpan]:
             f"safetensors framing: {size - at} trailing bytes after the last tensor (it ends at "
             f"byte {at} of {size}; expected the data section to end with the last tensor)"
         )
-    return spans
 
 
 def check_safetensors(f: Path, error: type[Exception]) -> None:

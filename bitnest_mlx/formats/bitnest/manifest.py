@@ -86,28 +86,7 @@ def check_manifest(manifest: dict, f: Path) -> None:
     if not isinstance(layers, dict) or not layers:
         raise PackageError(f"{f}: expected a non-empty 'layers' object (Linear name -> shape)")
     for name, entry in layers.items():
-        shape = entry.get("shape") if isinstance(entry, dict) else None
-        if not (
-            isinstance(shape, list)
-            and len(shape) == 2
-            and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in shape)
-        ):
-            raise PackageError(
-                f"{f}: {name}: shape is {shape!r}, expected [N, K] (two positive integers)"
-            )
-        k = shape[1]
-        if k % group:
-            raise PackageError(
-                f"{f}: {name}: K = {k}, expected a multiple of {group} "
-                f"(group_size: one scale per {group} columns)"
-            )
-        if entry.get("groups", k // group) != k // group:
-            raise PackageError(
-                f"{f}: {name}: groups = {entry['groups']!r}, expected K/{group} = {k // group} "
-                f"(group_size {group})"
-            )
-        if not isinstance(entry.get("has_bias", False), bool):
-            raise PackageError(f"{f}: {name}: has_bias = {entry['has_bias']!r}, expected a bool")
+        _check_layer(name, entry, group, f)
     for block in ("kv", "online_hadamard", "activation", "rope", "norms"):
         if block in manifest and not isinstance(manifest[block], dict):
             raise PackageError(f"{f}: {block} is {manifest[block]!r}, expected an object")
@@ -126,7 +105,37 @@ def check_manifest(manifest: dict, f: Path) -> None:
             )
         if key == "smoothing" and not isinstance(value, bool):
             raise PackageError(f"{f}: norms.smoothing = {value!r}, expected true or false")
-    kv = manifest.get("kv", {})
+    _check_kv(manifest.get("kv", {}), layers, f)
+
+
+def _check_layer(name: str, entry, group: int, f: Path) -> None:
+    """One `layers` entry: [N, K] with K a multiple of the group, its groups and has_bias."""
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    if not (
+        isinstance(shape, list)
+        and len(shape) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in shape)
+    ):
+        raise PackageError(
+            f"{f}: {name}: shape is {shape!r}, expected [N, K] (two positive integers)"
+        )
+    k = shape[1]
+    if k % group:
+        raise PackageError(
+            f"{f}: {name}: K = {k}, expected a multiple of {group} "
+            f"(group_size: one scale per {group} columns)"
+        )
+    if entry.get("groups", k // group) != k // group:
+        raise PackageError(
+            f"{f}: {name}: groups = {entry['groups']!r}, expected K/{group} = {k // group} "
+            f"(group_size {group})"
+        )
+    if not isinstance(entry.get("has_bias", False), bool):
+        raise PackageError(f"{f}: {name}: has_bias = {entry['has_bias']!r}, expected a bool")
+
+
+def _check_kv(kv: dict, layers: dict, f: Path) -> None:
+    """The `kv` block: its offset, R3 flags and group, and a k_bias offset's biases."""
     if kv.get("per_channel_offset", "none") not in ("none", "k_bias"):
         raise PackageError(
             f"{f}: kv.per_channel_offset = {kv['per_channel_offset']!r}, expected 'k_bias' or "

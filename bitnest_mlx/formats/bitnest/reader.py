@@ -218,9 +218,31 @@ def read(path: str | Path, verify: bool = False) -> Package:
     check_o_proj_group(manifest, config, manifest_file)
     had_k = _had_k_needed(manifest, config, manifest_file)
 
-    group = weight_group(manifest)
     index = path / INDEX_NAME
     tensors = _Tensors(read_tensors(path), index if index.is_file() else path / "model.safetensors")
+    _check_planes(tensors, linears, manifest, manifest_file)
+    _check_aux(tensors, manifest, manifest_file, config, had_k, draft_vocab)
+    _check_unused(tensors, linears, manifest_file, config["hidden_size"])
+
+    # Last, so that a broken file is refused with the rule it breaks; the checksums decide only
+    # about a package that is valid but not the one written (§2.6).
+    config_file = path / "config.json"
+    checksums.verify(
+        manifest,
+        manifest_file,
+        CHECKSUMS_KEY,
+        {name: f for name, (f, _) in tensors.found.items()},
+        {"config.json": (config_file, read_json(config_file) if has_config else None)},
+        PackageError,
+        data=verify,
+    )
+    spec = PackageSpec.from_package(manifest, config)
+    return Package(path, manifest, config, spec, {k: a for k, (_, a) in tensors.found.items()})
+
+
+def _check_planes(tensors: _Tensors, linears: dict, manifest: dict, manifest_file: Path) -> None:
+    """Each Linear's hi, lo, scales and bias, after refusing act-order tensors."""
+    group = weight_group(manifest)
     # Act-order first: such a package usually breaks other rules too, and this is the real cause.
     for name, (f, _) in tensors.found.items():
         if _ACT_ORDER_RE.search(name):
@@ -243,6 +265,16 @@ def read(path: str | Path, verify: bool = False) -> Package:
             first_bias = first_bias or f", and {name}.bias is {_dt(bias_dtypes)}"
         _check_low_codes(tensors.file(f"{name}.lo"), f"{name}.lo", hi, lo)
 
+
+def _check_aux(
+    tensors: _Tensors,
+    manifest: dict,
+    manifest_file: Path,
+    config: dict,
+    had_k: dict[int, str],
+    draft_vocab: int | None,
+) -> None:
+    """The embedding, R4's Hadamard blocks, smoothing vectors and the draft vocabulary."""
     d, v = config["hidden_size"], config["vocab_size"]
     tensors.expect("model.embed_tokens.weight", mx.bfloat16, (v, d))
     for k, layer in had_k.items():
@@ -270,6 +302,9 @@ def read(path: str | Path, verify: bool = False) -> Package:
             f"a draft vocabulary, but {manifest_file.name} has no draft block (§2.9)",
         )
 
+
+def _check_unused(tensors: _Tensors, linears: dict, manifest_file: Path, d: int) -> None:
+    """Every tensor no rule above read: a norm weight (checked here), else refused."""
     for name, (f, a) in tensors.found.items():
         if name in tensors.used:
             continue
@@ -284,18 +319,3 @@ def read(path: str | Path, verify: bool = False) -> Package:
                 f"{name.removesuffix('.bias')}",
             )
         raise _fail(f, name, "unexpected tensor (not part of bitnest-package-v1)")
-
-    # Last, so that a broken file is refused with the rule it breaks; the checksums decide only
-    # about a package that is valid but not the one written (§2.6).
-    config_file = path / "config.json"
-    checksums.verify(
-        manifest,
-        manifest_file,
-        CHECKSUMS_KEY,
-        {name: f for name, (f, _) in tensors.found.items()},
-        {"config.json": (config_file, read_json(config_file) if has_config else None)},
-        PackageError,
-        data=verify,
-    )
-    spec = PackageSpec.from_package(manifest, config)
-    return Package(path, manifest, config, spec, {k: a for k, (_, a) in tensors.found.items()})

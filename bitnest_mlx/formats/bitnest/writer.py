@@ -41,12 +41,7 @@ def _manifest(
     smoothing: bool,
     group_size: int = SEED_GROUP_SIZE,
 ) -> dict:
-    n_layers, head_dim = config["num_hidden_layers"], config["head_dim"]
-    per_layer_group = {
-        f"model.layers.{i}.{lin}": head_dim if lin.endswith("o_proj") else -1
-        for i in range(n_layers)
-        for lin in LAYER_LINEARS
-    }
+    n_layers = config["num_hidden_layers"]
     return {
         "format": FORMAT,
         "model": name,
@@ -55,20 +50,8 @@ def _manifest(
         "rotation": None,
         "group_size": group_size,
         "pack": "unsigned+8",
-        "weight_planes": {
-            "hi": "W4 code q4 in [-8,7] (RTN unless 'conversion' says otherwise), u = q4+8",
-            "lo": "signed residual qr in [-8,7] (in [0,7] where q4 = -8), stored as u = qr+8",
-            "byte_layout": "uint8 [N, K/2]: low nibble of byte j = column 2j, high = column 2j+1",
-            "draft": f"W4 = (hi-8) * scale (scale fp16 [N,K/{group_size}], one group per "
-            f"{group_size} columns)",
-            "target": "W8 = (16*(hi-8) + (lo-8)) * scale/16",
-            "int8_code": "q8 = 16*q4 + qr in [-128,119]",
-        },
-        "activation": {
-            "scheme": "symmetric int8, clip 1.0, per token (amax/127); o_proj input grouped per "
-            f"head_dim={head_dim} per token",
-            "per_layer_group": per_layer_group,
-        },
+        "weight_planes": _weight_planes(group_size),
+        "activation": _activation(n_layers, config["head_dim"]),
         "online_hadamard": {
             "note": "R4: down_proj input gets a block Hadamard (K x 2^k, hadK in aux.had_K.<K>, "
             "normalised by 1/sqrt(dim)); no R1/R2 rotation in this package",
@@ -77,17 +60,7 @@ def _manifest(
             },
         },
         "norms": _norms_block(smoothing),
-        "kv": {
-            "nesting": "per token and kv.group values of a head: s = max|x|/7, "
-            "q4 = clip(round(x/s)), qr = clip(round((x - q4 s)/(s/16))); "
-            "draft reads q4 (KV4), target 16q4+qr (KV8)",
-            # Qwen2's k bias dominates K's per-token scale: K is cached without it (see models).
-            "per_channel_offset": (
-                "k_bias" if linears["model.layers.0.self_attn.k_proj"]["has_bias"] else "none"
-            ),
-            "r3": r3,
-            **({"group": kv_group} if kv_group else {}),
-        },
+        "kv": _kv_block(linears, r3, kv_group),
         "rope": {
             "theta": config.get("rope_theta", 10000.0),
             "scaling": config.get("rope_scaling"),
@@ -99,6 +72,45 @@ def _manifest(
             "loader": "bitnest_mlx.formats.bitnest.dequantize_planes",
             "gpu_runner": "bitnest_mlx.generate",
         },
+    }
+
+
+def _weight_planes(group_size: int) -> dict:
+    return {
+        "hi": "W4 code q4 in [-8,7] (RTN unless 'conversion' says otherwise), u = q4+8",
+        "lo": "signed residual qr in [-8,7] (in [0,7] where q4 = -8), stored as u = qr+8",
+        "byte_layout": "uint8 [N, K/2]: low nibble of byte j = column 2j, high = column 2j+1",
+        "draft": f"W4 = (hi-8) * scale (scale fp16 [N,K/{group_size}], one group per "
+        f"{group_size} columns)",
+        "target": "W8 = (16*(hi-8) + (lo-8)) * scale/16",
+        "int8_code": "q8 = 16*q4 + qr in [-128,119]",
+    }
+
+
+def _activation(n_layers: int, head_dim: int) -> dict:
+    per_layer_group = {
+        f"model.layers.{i}.{lin}": head_dim if lin.endswith("o_proj") else -1
+        for i in range(n_layers)
+        for lin in LAYER_LINEARS
+    }
+    return {
+        "scheme": "symmetric int8, clip 1.0, per token (amax/127); o_proj input grouped per "
+        f"head_dim={head_dim} per token",
+        "per_layer_group": per_layer_group,
+    }
+
+
+def _kv_block(linears: dict, r3: bool, kv_group: int | None) -> dict:
+    return {
+        "nesting": "per token and kv.group values of a head: s = max|x|/7, "
+        "q4 = clip(round(x/s)), qr = clip(round((x - q4 s)/(s/16))); "
+        "draft reads q4 (KV4), target 16q4+qr (KV8)",
+        # Qwen2's k bias dominates K's per-token scale: K is cached without it (see models).
+        "per_channel_offset": (
+            "k_bias" if linears["model.layers.0.self_attn.k_proj"]["has_bias"] else "none"
+        ),
+        "r3": r3,
+        **({"group": kv_group} if kv_group else {}),
     }
 
 
@@ -211,23 +223,33 @@ class PackageWriter:
             group_size=group_size,
         )
         self.package_config = _package_config(config)
-        self.expected = {f"{lin}.{part}" for lin in self.shapes for part in ("hi", "lo", "scales")}
-        self.expected |= {f"{lin}.bias" for lin in biased}
-        self.expected |= {"model.embed_tokens.weight", "model.norm.weight"}
-        if norms is not None:
-            self.expected |= set(norm_names(config["num_hidden_layers"]))
+        self.expected = self._expected(biased, norms is not None)
         self._pending: dict[str, mx.array] = {}
         self._pending_bytes = 0
         # Per shard its saved segments (file name, tensor names); the last shard is open.
         self._shards: list[list[tuple[str, list[str]]]] = [[]]
         self._open_bytes = 0  # bytes in the open shard's saved segments
         self._written: set[str] = set()
+        self._add_fixed(had_k, norms)
+
+    def _expected(self, biased: set[str] | frozenset[str], smoothing: bool) -> set[str]:
+        """Every tensor name the finished package must hold."""
+        expected = {f"{lin}.{part}" for lin in self.shapes for part in ("hi", "lo", "scales")}
+        expected |= {f"{lin}.bias" for lin in biased}
+        expected |= {"model.embed_tokens.weight", "model.norm.weight"}
+        if smoothing:
+            expected |= set(norm_names(self.config["num_hidden_layers"]))
+        return expected
+
+    def _add_fixed(self, had_k: np.ndarray | None, norms: dict[str, np.ndarray] | None) -> None:
+        """The tensors known before any weight: R4's Hadamard block and the norm weights."""
         if had_k is not None:
             self.add(f"aux.had_K.{self.k}", mx.array(had_k.astype(np.float32)))
         if norms is None:
-            self.add("model.norm.weight", mx.ones((config["hidden_size"],), dtype=mx.float32))
+            hidden = self.config["hidden_size"]
+            self.add("model.norm.weight", mx.ones((hidden,), dtype=mx.float32))
         else:  # smoothing vectors (§2.5): every norm weight, ones where `norms` has none
-            for name, v in _norm_tensors(dict(norms), config).items():
+            for name, v in _norm_tensors(dict(norms), self.config).items():
                 self.add(name, v)
 
     @property
