@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
@@ -184,12 +184,78 @@ def evaluate(
     # A prefix is enough (no token spans 16 characters) and avoids tokenizing a whole book.
     tokens = tokenizer.encode(text[: 16 * max_tokens], verbose=False)[:max_tokens]
     used_kv = resolve_draft_kv(draft_kv, model, min(window, len(tokens)))
-    nll = dict.fromkeys((*modes, *DRAFT_KV), 0.0)
-    agree, overlap = dict.fromkeys(DRAFT_KV, 0.0), dict.fromkeys(DRAFT_KV, 0.0)
-    agree_all, overlap_all = dict.fromkeys(DRAFT_KV, 0.0), dict.fromkeys(DRAFT_KV, 0.0)
+    tally = _score_windows(model, tokenizer, windows(tokens, window), modes, sampler, used_kv, tick)
+    mean_accepted = _greedy_accepted(model, tokens, spec_tokens, gamma, draft_kv)
+    result = {
+        "tokens": tally.n_pred,
+        "bytes": tally.n_bytes,
+        "modes": {m: tally.scores(m) for m in modes},
+        **tally.against_target(used_kv, every_row=False),
+        "draft_vocab": draft_tokens(model),
+        "full_vocab_draft": tally.against_target(used_kv, every_row=True),  # see _Tally
+        "mean_accepted": mean_accepted,
+        "gamma": gamma,
+        "sampling": {"temp": sampler.temp, "top_p": sampler.top_p, "seed": seed, "rule": rule},
+        "draft_kv": _draft_kv(model, tally, draft_kv, used_kv),
+    }
+    if gen_tokens == 0 and gammas:  # the i.i.d. projection only, at the windows' context
+        context = min(window, len(tokens))
+        projected = dict.fromkeys(gammas)
+        result["speed_model"] = _speed(model, context, draft_kv, result["sum_min_pq"], projected)
+    if gen_tokens > 0 and gammas:
+        prompts = builtin_prompts(tokenizer) if prompts is None else prompts
+        runs, adaptive = (sampler, seed, rule, draft_kv), (draft_source, draft_vocab_join)
+        result |= _speculative(model, prompts, gammas, gen_tokens, runs, adaptive, result, tick)
+    result["verify_cost"] = verify_table()
+    return result
+
+
+@dataclass
+class _Tally:
+    """The teacher-forced windows' sums: negative log-likelihood per mode and per draft KV
+    reading; per reading, the draft's argmax agreement with the target and its Σ min(p, q),
+    over the rows speculation sees and over every lm_head row (`_all`; the same numbers
+    without a draft vocabulary)."""
+
+    nll: dict
+    agree: dict = field(default_factory=lambda: dict.fromkeys(DRAFT_KV, 0.0))
+    overlap: dict = field(default_factory=lambda: dict.fromkeys(DRAFT_KV, 0.0))
+    agree_all: dict = field(default_factory=lambda: dict.fromkeys(DRAFT_KV, 0.0))
+    overlap_all: dict = field(default_factory=lambda: dict.fromkeys(DRAFT_KV, 0.0))
+    n_pred: int = 0
+    n_bytes: int = 0
+    n_positions: int = 0
+
+    def scores(self, m) -> dict:
+        nll = self.nll[m]
+        return {
+            "ppl": math.exp(nll / self.n_pred),
+            "bits_per_byte": nll / math.log(2) / self.n_bytes,
+        }
+
+    def against_target(self, kv: int, every_row: bool) -> dict:
+        agree, overlap = (
+            (self.agree_all, self.overlap_all) if every_row else (self.agree, self.overlap)
+        )
+        return {
+            "argmax_agreement": agree[kv] / self.n_positions,
+            "sum_min_pq": overlap[kv] / self.n_positions,
+        }
+
+
+def _score_windows(
+    model,
+    tokenizer,
+    scored: list[list[int]],
+    modes: Sequence[str],
+    sampler: Sampler,
+    used_kv: int,
+    tick: Progress,
+) -> _Tally:
+    """Every window teacher-forced in each reading, summed into a `_Tally` (the draft's
+    mode reading its KV as `used_kv`)."""
+    tally = _Tally(dict.fromkeys((*modes, *DRAFT_KV), 0.0))
     head = getattr(model, "draft_head", None)  # a reduced draft vocabulary (§2.9), or None
-    n_pred = n_bytes = n_positions = 0
-    scored = windows(tokens, window)
     for i, w in enumerate(scored):
         tick("scoring windows", i, len(scored))
         logits = {r: _logits(model, w, r) for r in ("target", *(f"draft_kv{k}" for k in DRAFT_KV))}
@@ -198,121 +264,122 @@ def evaluate(
         p = sampler.logprobs(logits["target"])
         for m in modes:
             if m != "draft":
-                nll[m] += window_nll(logits[m], w)
+                tally.nll[m] += window_nll(logits[m], w)
         best = mx.argmax(logits["target"], -1)
         for kv in DRAFT_KV:
             d = logits[f"draft_kv{kv}"]
-            nll[kv] += window_nll(d, w)
+            tally.nll[kv] += window_nll(d, w)
             every_row = _against_target(d, best, p, sampler)
             # Without a draft vocabulary speculation sees every row: the same numbers.
             if head is not None:
                 spec = _against_target(restrict_logits(d, head.ids), best, p, sampler)
             else:
                 spec = every_row
-            agree_all[kv] += every_row[0]
-            overlap_all[kv] += every_row[1]
-            agree[kv] += spec[0]
-            overlap[kv] += spec[1]
-        n_positions += len(w)
-        n_pred += len(w) - 1
-        n_bytes += len(tokenizer.decode(w[1:]).encode("utf-8"))
+            tally.agree_all[kv] += every_row[0]
+            tally.overlap_all[kv] += every_row[1]
+            tally.agree[kv] += spec[0]
+            tally.overlap[kv] += spec[1]
+        tally.n_positions += len(w)
+        tally.n_pred += len(w) - 1
+        tally.n_bytes += len(tokenizer.decode(w[1:]).encode("utf-8"))
     tick("scoring windows", len(scored), len(scored))
-    nll["draft"] = nll[used_kv]
+    tally.nll["draft"] = tally.nll[used_kv]
+    return tally
 
-    def scores(m) -> dict:
-        return {"ppl": math.exp(nll[m] / n_pred), "bits_per_byte": nll[m] / math.log(2) / n_bytes}
 
-    stats = SpeculativeStats()
-    if spec_tokens > 0:
-        prompt = mx.array(tokens[: min(len(tokens) // 2, 256)])
-        steps = speculative_generate_step(
-            prompt,
-            model,
-            max_tokens=spec_tokens,
-            sampler=Sampler(),
-            num_draft_tokens=gamma,
-            fallback=False,
-            stats=stats,
-            adaptive=False,
-            options=_DENSE,  # dense only for the prompt prefill: γ+1 rows stay quantized
-            draft_kv=draft_kv,
-        )
-        for _ in steps:
-            pass
-    result = {
-        "tokens": n_pred,
-        "bytes": n_bytes,
-        "modes": {m: scores(m) for m in modes},
-        "argmax_agreement": agree[used_kv] / n_positions,
-        "sum_min_pq": overlap[used_kv] / n_positions,
-        "draft_vocab": draft_tokens(model),
-        # The draft over every lm_head row (the same as above without a draft vocabulary).
-        "full_vocab_draft": {
-            "argmax_agreement": agree_all[used_kv] / n_positions,
-            "sum_min_pq": overlap_all[used_kv] / n_positions,
-        },
-        "mean_accepted": stats.mean_accepted if spec_tokens > 0 else None,
-        "gamma": gamma,
-        "sampling": {"temp": sampler.temp, "top_p": sampler.top_p, "seed": seed, "rule": rule},
-        "draft_kv": {
-            "policy": draft_kv,
-            "windows": used_kv,
-            "kv8_context_limit": model_kv8_limit(model),
-            "readings": {
-                str(kv): {
-                    **scores(kv),
-                    "argmax_agreement": agree[kv] / n_positions,
-                    "sum_min_pq": overlap[kv] / n_positions,
-                }
-                for kv in DRAFT_KV
-            },
+def _draft_kv(model, tally: _Tally, policy: int | str, used_kv: int) -> dict:
+    """The draft KV policy, the reading the windows used, and each reading's scores."""
+    return {
+        "policy": policy,
+        "windows": used_kv,
+        "kv8_context_limit": model_kv8_limit(model),
+        "readings": {
+            str(kv): {**tally.scores(kv), **tally.against_target(kv, every_row=False)}
+            for kv in DRAFT_KV
         },
     }
-    if gen_tokens == 0 and gammas:  # the i.i.d. projection only, at the windows' context
-        context = min(window, len(tokens))
-        roof = roofline(model, context, resolve_draft_kv(draft_kv, model, context))
-        result["speed_model"] = {
-            "context_tokens": context,
-            "draft_kv": roof["draft_kv"],
-            "bytes_per_token": roof["bytes_per_token"],
-            **speed_model(roof["bytes_per_token"], result["sum_min_pq"], dict.fromkeys(gammas)),
-        }
-    if gen_tokens > 0 and gammas:
-        prompts = builtin_prompts(tokenizer) if prompts is None else prompts
-        tick("speculative runs", 0, 2)
-        runs = sampled_acceptance(model, prompts, gammas, gen_tokens, sampler, seed, rule, draft_kv)
-        tick("speculative runs", 1, 2)
-        # The roofline at the runs' mean context (prompt + half the generated tokens), the
-        # draft reading the KV the policy picks there.
-        context = round(sum(len(ids) for ids in prompts.values()) / len(prompts) + gen_tokens / 2)
-        roof = roofline(model, context, resolve_draft_kv(draft_kv, model, context))
-        per_round = {int(g): r["tokens_per_round"] for g, r in runs.items()}
-        result["speculative_sampling"] = {
-            "gen_tokens": gen_tokens,
-            "prompt_tokens": {name: len(ids) for name, ids in prompts.items()},
-            "gammas": runs,
-        }
-        result["speed_model"] = {
-            "context_tokens": context,
-            "draft_kv": roof["draft_kv"],
-            "bytes_per_token": roof["bytes_per_token"],
-            **speed_model(roof["bytes_per_token"], result["sum_min_pq"], per_round),
-        }
-        result["speculative_sampling"]["adaptive"] = adaptive_runs(
-            model,
-            prompts,
-            gen_tokens,
-            sampler,
-            seed,
-            rule,
-            draft_kv,
-            draft_source,
-            max(gammas),
-            draft_vocab_join,
-        )
-        tick("speculative runs", 2, 2)
-    result["verify_cost"] = verify_table()
-    return result
+
+
+def _greedy_accepted(
+    model, tokens: list[int], spec_tokens: int, gamma: int, draft_kv: int | str
+) -> float | None:
+    """Mean accepted drafts of the greedy speculative loop at a fixed γ over `spec_tokens`
+    tokens (None for none), from the text's start (at most 256 tokens, half of it) as the
+    prompt."""
+    if spec_tokens <= 0:
+        return None
+    stats = SpeculativeStats()
+    prompt = mx.array(tokens[: min(len(tokens) // 2, 256)])
+    steps = speculative_generate_step(
+        prompt,
+        model,
+        max_tokens=spec_tokens,
+        sampler=Sampler(),
+        num_draft_tokens=gamma,
+        fallback=False,
+        stats=stats,
+        adaptive=False,
+        options=_DENSE,  # dense only for the prompt prefill: γ+1 rows stay quantized
+        draft_kv=draft_kv,
+    )
+    for _ in steps:
+        pass
+    return stats.mean_accepted
+
+
+def _speed(model, context: int, draft_kv: int | str, sum_min_pq: float, per_round: dict) -> dict:
+    """The projected speedup at `context` tokens, the draft reading the KV the policy picks
+    there (`per_round`: tokens per round measured at each γ, or None for the i.i.d. formula)."""
+    roof = roofline(model, context, resolve_draft_kv(draft_kv, model, context))
+    return {
+        "context_tokens": context,
+        "draft_kv": roof["draft_kv"],
+        "bytes_per_token": roof["bytes_per_token"],
+        **speed_model(roof["bytes_per_token"], sum_min_pq, per_round),
+    }
+
+
+def _speculative(
+    model,
+    prompts: Mapping[str, Sequence[int]],
+    gammas: Sequence[int],
+    gen_tokens: int,
+    runs: tuple,
+    adaptive: tuple,
+    result: dict,
+    tick: Progress,
+) -> dict:
+    """`speculative_sampling` (the fixed-γ sampled runs, then the adaptive ones) and the
+    `speed_model` of the fixed-γ runs. `runs` is (sampler, seed, rule, draft_kv), `adaptive`
+    (draft_source, draft_vocab_join)."""
+    sampler, seed, rule, draft_kv = runs
+    draft_source, draft_vocab_join = adaptive
+    tick("speculative runs", 0, 2)
+    fixed = sampled_acceptance(model, prompts, gammas, gen_tokens, sampler, seed, rule, draft_kv)
+    tick("speculative runs", 1, 2)
+    # The roofline at the runs' mean context (prompt + half the generated tokens).
+    context = round(sum(len(ids) for ids in prompts.values()) / len(prompts) + gen_tokens / 2)
+    per_round = {int(g): r["tokens_per_round"] for g, r in fixed.items()}
+    sampling = {
+        "gen_tokens": gen_tokens,
+        "prompt_tokens": {name: len(ids) for name, ids in prompts.items()},
+        "gammas": fixed,
+    }
+    speed = _speed(model, context, draft_kv, result["sum_min_pq"], per_round)
+    sampling["adaptive"] = adaptive_runs(
+        model,
+        prompts,
+        gen_tokens,
+        sampler,
+        seed,
+        rule,
+        draft_kv,
+        draft_source,
+        max(gammas),
+        draft_vocab_join,
+    )
+    tick("speculative runs", 2, 2)
+    return {"speculative_sampling": sampling, "speed_model": speed}
 
 
 def adaptive_runs(
