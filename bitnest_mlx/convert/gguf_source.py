@@ -106,13 +106,7 @@ def load_gguf(path: str | Path, tokenizer_out: Path) -> Source:
     arch = fields.get("general.architecture")
     if arch not in ARCHS:
         raise SourceError(f"{path}: GGUF architecture {arch!r}, expected one of {ARCHS}")
-
-    def meta(key: str, default=None, kind=int):
-        value = fields.get(f"{arch}.{key}", default)
-        if value is None:
-            raise SourceError(f"{path}: no metadata {arch}.{key}")
-        return kind(value)
-
+    meta = _metadata(path, fields, arch)
     n_heads = meta("attention.head_count")
     n_kv = meta("attention.head_count_kv", n_heads)
     hidden = meta("embedding_length")
@@ -124,55 +118,13 @@ def load_gguf(path: str | Path, tokenizer_out: Path) -> Source:
     rope_freqs = tensors.pop("rope_freqs.weight", None)
     if "token_embd.weight" not in tensors:
         raise SourceError(f"{path}: no tensor token_embd.weight")
-
-    readers = {}
-    for t in tensors.values():
-        name, heads = _GGUF_NAMES.get(t.name), None
-        if name is None:
-            parts = t.name.split(".")
-            if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_LAYER:
-                raise SourceError(f"{path}: unexpected tensor {t.name}")
-            layer = _GGUF_LAYER[parts[2]]
-            name, heads = f"model.layers.{parts[1]}.{layer}.{parts[3]}", permuted.get(layer)
-        readers[name] = (t, heads)
-
+    readers = _readers(path, tensors, permuted)
     mapped = MappedFile(path)
-
     try:
-        theta = meta("rope.freq_base", 10000.0, float)
-        max_positions = meta("context_length", 4096)
-        try:
-            scaling = gguf_rope_scaling(
-                lambda key: fields.get(f"{arch}.rope.scaling.{key}"),
-                None if rope_freqs is None else _reader(mapped, path, rope_freqs, None)(),
-                theta,
-                head_dim,
-                max_positions,
-            )
-        except SourceError:
-            raise
-        except ValueError as e:
-            raise SourceError(f"{path}: {e}") from e
-        config = complete_hf_config(
-            {
-                "model_type": arch,
-                "hidden_size": hidden,
-                "num_hidden_layers": meta("block_count"),
-                "intermediate_size": meta("feed_forward_length"),
-                "num_attention_heads": n_heads,
-                "num_key_value_heads": n_kv,
-                "head_dim": head_dim,
-                "vocab_size": int(tensors["token_embd.weight"].shape[0]),
-                "rms_norm_eps": meta("attention.layer_norm_rms_epsilon", 1e-5, float),
-                "rope_theta": theta,
-                "rope_scaling": scaling,
-                "max_position_embeddings": max_positions,
-                "tie_word_embeddings": "lm_head.weight" not in readers,
-                "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
-                "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
-            },
-            str(path),
-        )
+        rope = None if rope_freqs is None else _reader(mapped, path, rope_freqs, None)
+        dims = {"hidden_size": hidden, "num_attention_heads": n_heads}
+        dims |= {"num_key_value_heads": n_kv, "head_dim": head_dim}
+        config = _gguf_config(path, fields, meta, dims, rope, tensors, readers)
         _write_gguf_tokenizer(path, fields, tokenizer_out)
     except BaseException:
         mapped.close()
@@ -184,6 +136,82 @@ def load_gguf(path: str | Path, tokenizer_out: Path) -> Source:
         name,
         {k: Entry(t.shape, _reader(mapped, path, t, heads)) for k, (t, heads) in readers.items()},
         mapped.close,
+    )
+
+
+def _metadata(path: Path, fields: dict, arch: str) -> Callable:
+    """`meta(key, default=None, kind=int)`: the field `{arch}.{key}` as `kind`, else `default`;
+    SourceError when neither is there."""
+
+    def meta(key: str, default=None, kind=int):
+        value = fields.get(f"{arch}.{key}", default)
+        if value is None:
+            raise SourceError(f"{path}: no metadata {arch}.{key}")
+        return kind(value)
+
+    return meta
+
+
+def _readers(path: Path, tensors: dict, permuted: dict) -> dict:
+    """{HF name: (GGUF tensor, heads whose q/k rows llama.cpp permuted, or None)}."""
+    readers = {}
+    for t in tensors.values():
+        name, heads = _GGUF_NAMES.get(t.name), None
+        if name is None:
+            parts = t.name.split(".")
+            if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_LAYER:
+                raise SourceError(f"{path}: unexpected tensor {t.name}")
+            layer = _GGUF_LAYER[parts[2]]
+            name, heads = f"model.layers.{parts[1]}.{layer}.{parts[3]}", permuted.get(layer)
+        readers[name] = (t, heads)
+    return readers
+
+
+def _gguf_config(
+    path: Path,
+    fields: dict,
+    meta: Callable,
+    dims: dict,
+    rope_freqs: Callable | None,
+    tensors: dict,
+    readers: dict,
+) -> dict:
+    """The HF config of the GGUF's metadata (`dims`: hidden size, heads, KV heads, head_dim;
+    `rope_freqs`: the reader of its rope_freqs tensor, or None)."""
+    theta = meta("rope.freq_base", 10000.0, float)
+    max_positions = meta("context_length", 4096)
+    arch = fields.get("general.architecture")
+    try:
+        scaling = gguf_rope_scaling(
+            lambda key: fields.get(f"{arch}.rope.scaling.{key}"),
+            None if rope_freqs is None else rope_freqs(),
+            theta,
+            dims["head_dim"],
+            max_positions,
+        )
+    except SourceError:
+        raise
+    except ValueError as e:
+        raise SourceError(f"{path}: {e}") from e
+    return complete_hf_config(
+        {
+            "model_type": arch,
+            "hidden_size": dims["hidden_size"],
+            "num_hidden_layers": meta("block_count"),
+            "intermediate_size": meta("feed_forward_length"),
+            "num_attention_heads": dims["num_attention_heads"],
+            "num_key_value_heads": dims["num_key_value_heads"],
+            "head_dim": dims["head_dim"],
+            "vocab_size": int(tensors["token_embd.weight"].shape[0]),
+            "rms_norm_eps": meta("attention.layer_norm_rms_epsilon", 1e-5, float),
+            "rope_theta": theta,
+            "rope_scaling": scaling,
+            "max_position_embeddings": max_positions,
+            "tie_word_embeddings": "lm_head.weight" not in readers,
+            "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
+        },
+        str(path),
     )
 
 

@@ -174,38 +174,17 @@ def smoothing_vectors(
     group = choose_group_size(
         [d_model, config["intermediate_size"]], group_size, DEFAULT_GROUP_SIZE
     )
-    result = Smoothing(
-        settings={
-            "alphas": grid,
-            "lambda_draft": lambda_draft,
-            "lambda_target": lambda_target,
-            "min_gain": min_gain,
-            "calibration_tokens": int(np.size(tokens)),
-            "rows": min(max_rows, int(np.size(tokens))),
-        }
-    )
+    weighting = (lambda_draft, lambda_target, min_gain)
+    result = Smoothing(settings=_search_settings(grid, weighting, int(np.size(tokens)), max_rows))
     rows = None
     if weights is not None:
         source = Source.from_arrays(weights, config)
     for norm, x, stored in norm_inputs(source, config, tokens, rotation):
         if rows is None:
             rows = np.sort(rng.choice(len(x), min(max_rows, len(x)), replace=False))
-        linears = []
-        for w in stored.values():
-            keep = np.sort(rng.choice(len(w), min(max_out, len(w)), replace=False))
-            linears.append(np.asarray(w[keep], np.float32))
+        linears = _sampled_rows(stored, rng, max_out)
         del stored
-        xs = x[rows]
-        base = output_errors(xs, linears, np.ones(d_model, np.float32), group)
-        # J(0) = λ_d + λ_t; another α must beat it by min_gain.
-        best = ((1 - min_gain) * (lambda_draft + lambda_target), 0.0, base, None)
-        for alpha in candidates:
-            d = smoothing_vector(x, alpha)
-            e = output_errors(xs, linears, d, group)
-            score = lambda_draft * e[0] / base[0] + lambda_target * e[1] / base[1]
-            if score < best[0]:
-                best = (score, alpha, e, d)
-        _, alpha, e, d = best
+        alpha, base, e, d = _best_alpha(x, x[rows], linears, candidates, group, weighting)
         result.alphas[norm] = alpha
         result.errors[norm] = {
             "w4_err0": base[0],
@@ -218,12 +197,66 @@ def smoothing_vectors(
         if progress is not None:
             progress(norm)
     if set(result.vectors) == {"model.norm.weight"}:
-        result.vectors.clear()
-        result.alphas["model.norm.weight"] = 0.0
-        e = result.errors["model.norm.weight"]
-        e.update(w4_err=e["w4_err0"], w8_err=e["w8_err0"])
-        result.settings["final_norm_alone_dropped"] = True
+        _drop_final_norm(result)
     return result
+
+
+def _search_settings(
+    grid: list[float], weighting: tuple[float, float, float], n_tokens: int, max_rows: int
+) -> dict:
+    """The search's settings as the manifest records them."""
+    lambda_draft, lambda_target, min_gain = weighting
+    return {
+        "alphas": grid,
+        "lambda_draft": lambda_draft,
+        "lambda_target": lambda_target,
+        "min_gain": min_gain,
+        "calibration_tokens": n_tokens,
+        "rows": min(max_rows, n_tokens),
+    }
+
+
+def _sampled_rows(stored: Mapping[str, np.ndarray], rng, max_out: int) -> list[np.ndarray]:
+    """`max_out` sampled output rows of each Linear (all of them where it has fewer), float32."""
+    linears = []
+    for w in stored.values():
+        keep = np.sort(rng.choice(len(w), min(max_out, len(w)), replace=False))
+        linears.append(np.asarray(w[keep], np.float32))
+    return linears
+
+
+def _best_alpha(
+    x: np.ndarray,
+    xs: np.ndarray,
+    linears: list[np.ndarray],
+    candidates: Sequence[float],
+    group: int,
+    weighting: tuple[float, float, float],
+) -> tuple[float, tuple, tuple, np.ndarray | None]:
+    """(α, errors at α = 0, errors at α, d or None for α = 0) of one norm, the Linears reading
+    its output `x` measured on the rows `xs`; `weighting` is (λ_draft, λ_target, min_gain)."""
+    lambda_draft, lambda_target, min_gain = weighting
+    base = output_errors(xs, linears, np.ones(x.shape[-1], np.float32), group)
+    # J(0) = λ_d + λ_t; another α must beat it by min_gain.
+    best = ((1 - min_gain) * (lambda_draft + lambda_target), 0.0, base, None)
+    for alpha in candidates:
+        d = smoothing_vector(x, alpha)
+        e = output_errors(xs, linears, d, group)
+        score = lambda_draft * e[0] / base[0] + lambda_target * e[1] / base[1]
+        if score < best[0]:
+            best = (score, alpha, e, d)
+    _, alpha, e, d = best
+    return alpha, base, e, d
+
+
+def _drop_final_norm(result: Smoothing) -> None:
+    """The final norm alone smoothed: a reader without the extension would ignore it (§2.3),
+    so it is left unsmoothed and the result says so."""
+    result.vectors.clear()
+    result.alphas["model.norm.weight"] = 0.0
+    e = result.errors["model.norm.weight"]
+    e.update(w4_err=e["w4_err0"], w8_err=e["w8_err0"])
+    result.settings["final_norm_alone_dropped"] = True
 
 
 def measure(
