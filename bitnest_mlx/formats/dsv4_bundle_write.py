@@ -56,27 +56,10 @@ def write(
             f32 = not quantize or _F32_PASSTHROUGH.search(name)
             out[name] = np.asarray(w, dtype=np.float32 if f32 else np.float16)
         elif slot.kind == "experts":
+            bits = None
             if quantize:
-                key = plan_key(name)
-                plan[key] = bits = expert_bits.get(key, 4)
-                q = mxtq.encode(np.asarray(w, np.float32), bits, seed)
-                stacked = q.tensors(stored_expert_name(name))
-                # jang's prestack rewrites tq_bits as uint8.
-                stacked = {
-                    k: v.astype(np.uint8) if k.endswith("tq_bits") else v
-                    for k, v in stacked.items()
-                }
-            else:
-                stacked = {f"{stored_expert_name(name)}.weight": np.float32(w)}
-            if per_expert:
-                for key, v in stacked.items():
-                    leaf = key.rsplit(".", 1)[1]
-                    for e in range(slot.shape[0]):
-                        out[f"{stored_expert_name(name, e)}.{leaf}"] = (
-                            v if leaf == "tq_bits" else v[e]
-                        )
-            else:
-                out.update(stacked)
+                plan[plan_key(name)] = bits = expert_bits.get(plan_key(name), 4)
+            out.update(_experts(name, w, bits, seed, per_expert, slot.shape[0]))
         elif quantize:
             wq, scales, biases = mx.quantize(mx.array(w, dtype=mx.float32), group_size=32, bits=8)
             out[f"{name}.weight"] = np.array(wq)
@@ -86,20 +69,51 @@ def write(
             out[f"{name}.weight"] = np.asarray(w, dtype=np.float32)
 
     if quantize:
-        config["quantization"] = {"bits": 8, "group_size": 32, "mode": "affine"}
-        config["weight_format"] = "mxtq"
-        config["mxtq_seed"] = seed
-        config["routed_expert_bit_plan"] = {
-            "codec": "mxtq",
-            "bits_used": sorted(set(plan.values())),
-            "assignment": plan,
-        }
+        config |= _quantization_notes(seed, plan)
     files = _write_shards(path, out, shards)
     # config.json last: it records the checksums of the shards and of itself (a caller adding
     # files afterwards, a tokenizer, calls `seal` to record them too).
     checksums.make_block(config, CHECKSUMS_KEY, files, {}, path / "config.json")
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
+
+
+def _quantization_notes(seed: int, plan: dict[str, int]) -> dict:
+    """config.json's record of the quantization: affine 8-bit Linears, MXTQ experts by plan."""
+    return {
+        "quantization": {"bits": 8, "group_size": 32, "mode": "affine"},
+        "weight_format": "mxtq",
+        "mxtq_seed": seed,
+        "routed_expert_bit_plan": {
+            "codec": "mxtq",
+            "bits_used": sorted(set(plan.values())),
+            "assignment": plan,
+        },
+    }
+
+
+def _experts(
+    name: str, w: np.ndarray, bits: int | None, seed: int, per_expert: bool, n_experts: int
+) -> dict[str, np.ndarray]:
+    """One layer projection's routed experts: MXTQ at `bits` (None: float32), stacked or,
+    with `per_expert`, one tensor set per expert."""
+    if bits is not None:
+        q = mxtq.encode(np.asarray(w, np.float32), bits, seed)
+        stacked = q.tensors(stored_expert_name(name))
+        # jang's prestack rewrites tq_bits as uint8.
+        stacked = {
+            k: v.astype(np.uint8) if k.endswith("tq_bits") else v for k, v in stacked.items()
+        }
+    else:
+        stacked = {f"{stored_expert_name(name)}.weight": np.float32(w)}
+    if not per_expert:
+        return stacked
+    out = {}
+    for key, v in stacked.items():
+        leaf = key.rsplit(".", 1)[1]
+        for e in range(n_experts):
+            out[f"{stored_expert_name(name, e)}.{leaf}"] = v if leaf == "tq_bits" else v[e]
+    return out
 
 
 def _write_shards(path: Path, tensors: dict[str, np.ndarray], shards: int) -> list[Path]:

@@ -263,22 +263,7 @@ def _plans(config: dict, seed: int) -> list[_Planned]:
             add(f"{base}.tq_norms", np.float16, (e, out_f), normal(0.05, 1.0, np.float16))
             add(f"{base}.tq_bits", np.uint8, (1,), lambda s, b=bits: np.full(s, b, np.uint8))
         elif slot.kind in ("linear", "embedding"):
-            out_f, in_f = slot.shape
-            std = 1.0 if slot.kind == "embedding" else in_f**-0.5
-            # Codes uniform on 0..255: w = scale·q + bias is uniform on ±√3·std, variance std².
-            step = 2 * np.sqrt(3) * std / 255
-
-            def scales(s, step=step):
-                return (step * rng.uniform(0.9, 1.1, s)).astype(np.float16)
-
-            add(f"{name}.weight", np.uint32, (out_f, in_f // 4), words)
-            add(f"{name}.scales", np.float16, (out_f, in_f // 32), scales)
-            add(
-                f"{name}.biases",
-                np.float16,
-                (out_f, in_f // 32),
-                lambda s, step=step: np.full(s, -127.5 * step, np.float16),
-            )
+            _plan_affine(add, words, rng, name, slot)
         elif slot.kind == "int":  # tid2eid: top_k distinct experts per token id
             add(
                 name,
@@ -293,6 +278,26 @@ def _plans(config: dict, seed: int) -> list[_Planned]:
             add(name, dtype, slot.shape, _float_init(name, slot.shape[-1], normal, dtype))
     out.sort(key=lambda p: ".switch_mlp." not in p.key)  # stable: experts first, as jang
     return out
+
+
+def _plan_affine(add: Callable, words: Callable, rng, name: str, slot) -> None:
+    """An 8-bit affine Linear or embedding's weight, scales and biases (`_plans`' `add`)."""
+    out_f, in_f = slot.shape
+    std = 1.0 if slot.kind == "embedding" else in_f**-0.5
+    # Codes uniform on 0..255: w = scale·q + bias is uniform on ±√3·std, variance std².
+    step = 2 * np.sqrt(3) * std / 255
+
+    def scales(s):
+        return (step * rng.uniform(0.9, 1.1, s)).astype(np.float16)
+
+    add(f"{name}.weight", np.uint32, (out_f, in_f // 4), words)
+    add(f"{name}.scales", np.float16, (out_f, in_f // 32), scales)
+    add(
+        f"{name}.biases",
+        np.float16,
+        (out_f, in_f // 32),
+        lambda s: np.full(s, -127.5 * step, np.float16),
+    )
 
 
 def _float_init(name: str, width: int, normal, dtype):
