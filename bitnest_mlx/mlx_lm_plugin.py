@@ -36,6 +36,7 @@ import functools
 import importlib.util
 import sys
 import weakref
+from collections.abc import Callable
 from importlib.abc import Loader
 from importlib.machinery import ModuleSpec, PathFinder
 from pathlib import Path
@@ -210,11 +211,14 @@ def patch_utils(utils: ModuleType) -> None:
     # model name (`PATH#draft`) that is a view of another model.
     if _patched(utils.load):
         return
-    orig_load_model, orig_load_tokenizer, orig_load = (
-        utils.load_model,
-        utils.load_tokenizer,
-        utils.load,
-    )
+    # Each wraps the function it replaces.
+    utils.load_model = _load_model(utils, utils.load_model)
+    utils.load_tokenizer = _load_tokenizer(utils.load_tokenizer)
+    utils.load = _load(utils.load)
+
+
+def _load_model(utils: ModuleType, orig_load_model: Callable) -> Callable:
+    """`utils.load_model` that reads bitnest packages and bundles with our validated loader."""
 
     @_mark
     @functools.wraps(orig_load_model)
@@ -234,6 +238,12 @@ def patch_utils(utils: ModuleType) -> None:
         config = utils.load_config(Path(model_path))
         config.update(model_config or {})
         return model, config
+
+    return load_model
+
+
+def _load_tokenizer(orig_load_tokenizer: Callable) -> Callable:
+    """`utils.load_tokenizer` that checks our formats' tokenizer files, without their config."""
 
     @_mark
     @functools.wraps(orig_load_tokenizer)
@@ -269,6 +279,12 @@ def patch_utils(utils: ModuleType) -> None:
             )
         return orig_load_tokenizer(model_path, tokenizer_config_extra, *args, **kwargs)
 
+    return load_tokenizer
+
+
+def _load(orig_load: Callable) -> Callable:
+    """`utils.load` that also loads `PATH#draft`: the draft view of PATH's live target."""
+
     @_mark
     @functools.wraps(orig_load)
     def load(path_or_hf_repo, *args, return_config: bool = False, **kwargs):
@@ -289,7 +305,7 @@ def patch_utils(utils: ModuleType) -> None:
         view = DraftView(target)
         return (view, tokenizer, config) if return_config else (view, tokenizer)
 
-    utils.load_model, utils.load_tokenizer, utils.load = load_model, load_tokenizer, load
+    return load
 
 
 # ---------------------------------------------------------------------------------------------
