@@ -98,20 +98,29 @@ def _choose_mode(args: argparse.Namespace, model: nn.Module) -> str:
     return note
 
 
-def _prompt_cache(args: argparse.Namespace, model: nn.Module) -> tuple[list | None, dict]:
-    if args.prompt_cache_file is None:
+def _read_cache_file(path: str | None) -> tuple[list | None, dict]:
+    """A --prompt-cache-file's caches and metadata, read once (None, {} without one)."""
+    if path is None:
         return None, {}
+    try:
+        return load_prompt_cache(path)
+    except PromptCacheError as e:
+        raise Refused(e) from None
+
+
+def _fit_cache(args: argparse.Namespace, model: nn.Module, cache: list | None) -> list | None:
+    if cache is None:
+        return None
     if not model.supports_draft:
         raise Refused(
             f"--prompt-cache-file: {args.model} is a DeepSeek-V4 bundle, whose cache a "
             "prompt-cache file cannot restore; it works with bitnest packages"
         )
     try:
-        cache, metadata = load_prompt_cache(args.prompt_cache_file)
         check_fits(cache, model.make_cache(), args.prompt_cache_file)
     except PromptCacheError as e:
         raise Refused(e) from None
-    return cache, metadata
+    return cache
 
 
 def _encode(args: argparse.Namespace, tokenizer, cached: bool) -> list[int]:
@@ -149,26 +158,18 @@ def _budget(args: argparse.Namespace, model: nn.Module, prompt: list[int], held:
 
 def prepare(args: argparse.Namespace, group, notes: bool) -> Job:
     """Load, choose the mode, read the prompt (and a cached prefix) and size the run."""
+    cache, metadata = _read_cache_file(args.prompt_cache_file)
     if args.model is None:  # a prompt-cache file names its model, as in mlx-lm
-        args.model = _cache_model(args.prompt_cache_file) or DEMO
+        args.model = metadata.get("model") or DEMO
     model, tokenizer, load_s = _load(args, group)
     note = _choose_mode(args, model)
     if note and notes:
         print(note, file=sys.stderr)
-    cache, _ = _prompt_cache(args, model)
+    cache = _fit_cache(args, model, cache)
     prompt = _encode(args, tokenizer, cached=cache is not None)
     held = cache[0].offset if cache else 0
     max_tokens = _budget(args, model, prompt, held)
     return Job(model, tokenizer, prompt, max_tokens, cache, load_s)
-
-
-def _cache_model(path: str | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        return load_prompt_cache(path)[1].get("model")
-    except PromptCacheError as e:
-        raise Refused(e) from None
 
 
 def responses(args: argparse.Namespace, job: Job, spec_stats: speculative.SpeculativeStats):
