@@ -265,3 +265,29 @@ def add_chat_template_config(p: argparse.ArgumentParser) -> None:
         help='a JSON object of extra chat-template arguments, e.g. \'{"enable_thinking": '
         "false}' (as mlx_lm.generate; default: none)",
     )
+
+
+def add_sampling(p: argparse.ArgumentParser, temp: float) -> None:
+    """--temp, --top-p, --top-k, --min-p and --seed, the same on every command that samples;
+    `temp` is the command's default temperature."""
+    p.add_argument(
+        "--temp",
+        type=non_negative_float,
+        default=temp,
+        help="sampling temperature (>= 0; 0 = greedy; default %(default)s)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=probability,
+        default=1.0,
+        help="nucleus sampling threshold, in (0, 1] (1 = off)",
+    )
+    p.add_argument(
+        "--top-k", type=non_negative_int, default=0, help="top-k sampling (>= 0; 0 = off)"
+    )
+    p.add_argument(
+        "--min-p", type=fraction, default=0.0, help="min-p sampling, in [0, 1) (0 = off)"
+    )
+    p.add_argument(
+        "--seed", type=non_negative_int, default=0, help="random seed, >= 0 (default: %(default)s)"
+    )

@@ -26,12 +26,10 @@ from .args import (
     add_chat_template_config,
     add_draft_source,
     add_mode,
+    add_sampling,
     default_mode,
-    fraction,
-    non_negative_float,
     non_negative_int,
     positive_int,
-    probability,
     refuse,
 )
 
@@ -59,20 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         help="most tokens per reply (default %(default)s)",
     )
-    p.add_argument(
-        "--temp",
-        type=non_negative_float,
-        default=0.0,
-        help="sampling temperature (0 = greedy; default %(default)s)",
-    )
-    p.add_argument(
-        "--top-p", type=probability, default=1.0, help="nucleus threshold (default 1 = off)"
-    )
-    p.add_argument("--top-k", type=non_negative_int, default=0, help="top-k (default 0 = off)")
-    p.add_argument("--min-p", type=fraction, default=0.0, help="min-p (default 0 = off)")
-    p.add_argument(
-        "--seed", type=non_negative_int, default=0, help="random seed (default %(default)s)"
-    )
+    add_sampling(p, temp=0.0)  # as mlx_lm.chat: greedy
     add_mode(p)
     p.add_argument(
         "--num-draft-tokens",

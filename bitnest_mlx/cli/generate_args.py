@@ -11,13 +11,12 @@ from .args import (
     add_draft_source,
     add_draft_vocab_join,
     add_mode,
+    add_sampling,
     add_verify,
-    fraction,
     non_empty,
     non_negative_float,
     non_negative_int,
     positive_int,
-    probability,
     str_to_bool,
 )
 
@@ -30,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Debian's license texts (offline).",
     )
     _add_prompt(p)
-    _add_sampling(p)
+    add_sampling(p, temp=0.8)
     _add_speculation(p)
     _add_output(p)
     _add_memory(p)
@@ -62,31 +61,6 @@ def _add_prompt(p: argparse.ArgumentParser) -> None:
         default=100,
         help="maximum tokens to generate (>= 1; default %(default)s); generation stops earlier "
         "at an end-of-sequence token or at the end of the model's context, whichever comes first",
-    )
-
-
-def _add_sampling(p: argparse.ArgumentParser) -> None:
-    """How each token is sampled."""
-    p.add_argument(
-        "--temp",
-        type=non_negative_float,
-        default=0.8,
-        help="sampling temperature (>= 0; 0 = greedy; default %(default)s)",
-    )
-    p.add_argument(
-        "--top-p",
-        type=probability,
-        default=1.0,
-        help="nucleus sampling threshold, in (0, 1] (1 = off)",
-    )
-    p.add_argument(
-        "--top-k", type=non_negative_int, default=0, help="top-k sampling (>= 0; 0 = off)"
-    )
-    p.add_argument(
-        "--min-p", type=fraction, default=0.0, help="min-p sampling, in [0, 1) (0 = off)"
-    )
-    p.add_argument(
-        "--seed", type=non_negative_int, default=0, help="random seed, >= 0 (default: %(default)s)"
     )
 
 
