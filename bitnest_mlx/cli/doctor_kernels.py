@@ -17,14 +17,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .. import kernels
-from ..formats.bitnest.numerics import a8_codes
-from ..layers.dual_plane import project, random_linear, swiglu
+from ..layers.dual_plane import grouped_self_test, matmul_self_test
 from ..layers.mxtq_linear import gather_self_test, hadamard_self_test, swiglu_self_test
-from ..layers.nested_kv import nest_dequantize, nest_quantize
-from ..layers.options import RunOptions
+from ..layers.nested_kv import attention_self_test
 
 Pair = tuple[mx.array, mx.array]  # (kernel output, pure-path output)
-_PURE = RunOptions(mode="target", use_kernels=False)
 
 
 @dataclass(frozen=True)
@@ -35,86 +32,27 @@ class Check:
     run: Callable[[kernels.Runner, bool], Pair]
 
 
-def _dual_plane(group: int) -> Callable[[kernels.Runner, bool], Pair]:
-    def run(runner: kernels.Runner, big: bool) -> Pair:
-        k, n = (4096, 4096) if big else (1152, 12)  # 1152: two full sweeps and a ragged third
-        lin = random_linear(k, n, group, seed=group)
-        x = mx.random.normal((1, k), key=mx.random.key(group))
-        codes, a_scale = a8_codes(x)
-        got = kernels.dual_plane_matmul(
-            codes, lin.hi, lin.lo, lin.scales, draft=False, a_scale=a_scale, runner=runner
-        )
-        return got, lin(x, _PURE)
-
-    return run
-
-
-def _grouped(gate_up: bool) -> Callable[[kernels.Runner, bool], Pair]:
-    """q/k/v stacked along N (one launch, split after), or [gate; up] with silu·up fused."""
-
-    def run(runner: kernels.Runner, big: bool) -> Pair:
-        k = 3072 if big else 1152
-        widths = (
-            ((8192, 8192) if big else (6, 6))
-            if gate_up
-            else ((3072, 1024, 1024) if big else (16, 8, 8))
-        )
-        lins = [random_linear(k, n, 128, seed=20 + i) for i, n in enumerate(widths)]
-        x = mx.random.normal((4, k), key=mx.random.key(30))
-        codes, a_scale = a8_codes(x)
-        got = kernels.dual_plane_matmul(
-            codes,
-            mx.concatenate([lin.hi for lin in lins]),
-            mx.concatenate([lin.lo for lin in lins]),
-            mx.concatenate([lin.scales for lin in lins]),
-            draft=False,
-            a_scale=a_scale,
-            gate_up=gate_up,
-            runner=runner,
-        )
-        if gate_up:
-            return got, swiglu(x, *lins, _PURE)
-        return got, mx.concatenate(project(x, lins, _PURE), axis=-1)
-
-    return run
-
-
-def _attention(draft: bool, rows: int) -> Callable[[kernels.Runner, bool], Pair]:
-    """Both passes (key splits, then their log-sum-exp merge) at head_dim 128, GQA 2."""
-
-    def run(runner: kernels.Runner, big: bool) -> Pair:
-        n_kv, heads, group = (4096, 8, 64) if big else (300, 2, 32)
-        k1, k2, k3 = mx.random.split(mx.random.key(2), 3)
-        q = mx.random.normal((1, 2 * heads, rows, 128), key=k1)
-        kp = nest_quantize(mx.random.normal((1, heads, n_kv, 128), key=k2) * 2, group)
-        vp = nest_quantize(mx.random.normal((1, heads, n_kv, 128), key=k3), group)
-        scale = 128**-0.5
-        got = kernels.nested_kv_attention(
-            q, kp, vp, draft=draft, scale=scale, group=group, runner=runner
-        )
-        k, v = (mx.repeat(nest_dequantize(*p, group, draft), 2, axis=1) for p in (kp, vp))
-        mask = "causal" if rows > 1 else None
-        return got, mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-
-    return run
-
-
-def _mxtq(self_test: Callable[..., Pair], **kwargs) -> Callable[[kernels.Runner, bool], Pair]:
-    """The layer's own self-test (mxtq_linear: one definition for first use and the doctor);
-    `big` there is the timed shape."""
+def _layer(self_test: Callable[..., Pair], **kwargs) -> Callable[[kernels.Runner, bool], Pair]:
+    """The layer's own self-test (one definition for the first use and the doctor); `big`
+    there is the timed shape."""
     return lambda runner, big: self_test(runner, big=big, **kwargs)
 
 
 CHECKS = (
-    *(Check(f"dual-plane A8 qmv, group {g}", _dual_plane(g)) for g in (32, 64, 128)),
-    Check("dual-plane grouped q/k/v (one launch)", _grouped(gate_up=False)),
-    Check("dual-plane gate/up + SiLU·up epilogue", _grouped(gate_up=True)),
-    Check("nested-KV attention KV4, L=1 (+ merge)", _attention(draft=True, rows=1)),
-    Check("nested-KV attention KV8, L=4 (+ merge)", _attention(draft=False, rows=4)),
-    Check("Hadamard rotation d=4096 and 2048", _mxtq(hadamard_self_test)),
-    *(Check(f"MXTQ gather {b}-bit", _mxtq(gather_self_test, widths=(b,))) for b in (2, 4)),
     *(
-        Check(f"MXTQ gate+up+SwiGLU {b}-bit (fused)", _mxtq(swiglu_self_test, widths=(b,)))
+        Check(f"dual-plane A8 qmv, group {g}", _layer(matmul_self_test, group_size=g, seed=g))
+        for g in (32, 64, 128)
+    ),
+    Check("dual-plane grouped q/k/v (one launch)", _layer(grouped_self_test)),
+    Check("dual-plane gate/up + SiLU·up epilogue", _layer(grouped_self_test, gate_up=True)),
+    Check(
+        "nested-KV attention KV4, L=1 (+ merge)", _layer(attention_self_test, draft=True, rows=1)
+    ),
+    Check("nested-KV attention KV8, L=4 (+ merge)", _layer(attention_self_test, rows=4)),
+    Check("Hadamard rotation d=4096 and 2048", _layer(hadamard_self_test)),
+    *(Check(f"MXTQ gather {b}-bit", _layer(gather_self_test, widths=(b,))) for b in (2, 4)),
+    *(
+        Check(f"MXTQ gate+up+SwiGLU {b}-bit (fused)", _layer(swiglu_self_test, widths=(b,)))
         for b in (2, 4)
     ),
 )

@@ -13,6 +13,7 @@ from . import plane_stack
 from .options import RunOptions
 
 _DEFAULT = RunOptions()
+_PURE = RunOptions(use_kernels=False)  # the self-tests' reference
 # The dense path dequantizes at most this many weights at a time (64 MB in float32).
 DENSE_BLOCK_WEIGHTS = 2**24
 
@@ -202,39 +203,70 @@ def _finish(
     return [nn.silu(ys[0]) * ys[1]] if gate_up else ys
 
 
+def matmul_self_test(
+    runner: kernels.Runner | None = None,
+    *,
+    rows: int = 1,
+    group_size: int = 128,
+    a_group: int = -1,
+    draft: bool = False,
+    seed: int = 1,
+    big: bool = False,
+) -> tuple[mx.array, mx.array]:
+    """(kernel, pure) one dual-plane A8 matmul of `rows` tokens: K = 1152 (two full 512-column
+    sweeps and a ragged third, several weight groups per lane), N = 12; A8 per token
+    (a_group -1) or per group of columns; big is the timed shape (4096 x 4096)."""
+    k, n = (4096, 4096) if big else (1152, 12)
+    lin = random_linear(k, n, group_size, seed=seed)
+    x = mx.random.normal((rows, k), key=mx.random.key(10 + seed))
+    codes, a_scale = a8_codes(x, a_group)
+    got = kernels.dual_plane_matmul(
+        codes, lin.hi, lin.lo, lin.scales, draft=draft, a_scale=a_scale, runner=runner
+    )
+    return got, lin._pure(a8(x, a_group), draft=draft)
+
+
+def grouped_self_test(
+    runner: kernels.Runner | None = None, *, gate_up: bool = False, big: bool = False
+) -> tuple[mx.array, mx.array]:
+    """(kernel, pure) one launch over stacked Linears, 4 tokens: q/k/v stacked along N (split
+    after), or [gate; up] with the silu(gate)·up epilogue fused."""
+    k = 3072 if big else 1152
+    small = (6, 6) if gate_up else (16, 8, 8)
+    widths = ((8192, 8192) if gate_up else (3072, 1024, 1024)) if big else small
+    lins = [random_linear(k, n, 128, seed=20 + i) for i, n in enumerate(widths)]
+    x = mx.random.normal((4, k), key=mx.random.key(30))
+    codes, a_scale = a8_codes(x)
+    got = kernels.dual_plane_matmul(
+        codes,
+        mx.concatenate([lin.hi for lin in lins]),
+        mx.concatenate([lin.lo for lin in lins]),
+        mx.concatenate([lin.scales for lin in lins]),
+        draft=False,
+        a_scale=a_scale,
+        gate_up=gate_up,
+        runner=runner,
+    )
+    if gate_up:
+        return got, swiglu(x, *lins, _PURE)
+    return got, mx.concatenate(project(x, lins, _PURE), axis=-1)
+
+
 def kernel_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx.array]:
     """(kernel, pure) as a real model calls it, small enough for the first use on a base M1:
-    K = 1152 (two full 512-column sweeps and a ragged third, several weight groups per lane),
     M = 1 and 4 tokens, draft and target, per-token A8 at group 128, per-group A8 (64 and 128
     columns, o_proj's per-head groups) at groups 64 and 32, and the fused gate/up epilogue."""
-    got, want = [], []
-    k, n = 1152, 12
     # (M, weight group, A8 group, draft): every WEIGHT_GROUPS, both A8 kinds, both planes.
     cases = ((1, 128, -1, True), (4, 128, -1, False), (4, 64, 64, False), (1, 32, 128, True))
-    for i, (m, group_size, a_group, draft) in enumerate(cases):
-        lin = random_linear(k, n, group_size, seed=1 + i)
-        x = mx.random.normal((m, k), key=mx.random.key(10 + i))
-        codes, a_scale = a8_codes(x, a_group)
-        got.append(
-            kernels.dual_plane_matmul(
-                codes, lin.hi, lin.lo, lin.scales, draft=draft, a_scale=a_scale, runner=runner
-            )
-        )
-        want.append(lin._pure(a8(x, a_group), draft=draft))
-    gate, up = random_linear(k, 6, 128, seed=7), random_linear(k, 6, 128, seed=8)
-    x = mx.random.normal((4, k), key=mx.random.key(20))
-    codes, a_scale = a8_codes(x)
-    planes = (mx.concatenate([gate.hi, up.hi]), mx.concatenate([gate.lo, up.lo]))
-    scales = mx.concatenate([gate.scales, up.scales])
-    got.append(
-        kernels.dual_plane_matmul(
-            codes, *planes, scales, draft=False, a_scale=a_scale, gate_up=True, runner=runner
-        )
+    pairs = [
+        matmul_self_test(runner, rows=m, group_size=g, a_group=a, draft=d, seed=1 + i)
+        for i, (m, g, a, d) in enumerate(cases)
+    ]
+    pairs.append(grouped_self_test(runner, gate_up=True))
+    got, want = zip(*pairs)
+    return mx.concatenate([a.reshape(-1) for a in got]), mx.concatenate(
+        [a.reshape(-1) for a in want]
     )
-    xq = a8(x)
-    want.append(nn.silu(gate._pure(xq, draft=False)) * up._pure(xq, draft=False))
-    flat = [a.reshape(-1) for a in got], [a.reshape(-1) for a in want]
-    return mx.concatenate(flat[0]), mx.concatenate(flat[1])
 
 
 def random_linear(k: int, n: int, group_size: int, seed: int) -> DualPlaneLinear:

@@ -198,24 +198,38 @@ class NestedKVCache(_BaseCache):
         return sum(a.nbytes for a in (*self.keys, *self.values))
 
 
-def kernel_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx.array]:
-    """(kernel, pure) attention as decode and verification really call it: head_dim 128, GQA 2,
-    KV group 32, 300 cached keys; the draft (KV4) at L = 1 with the launch's own split count,
-    the target (KV8) at L = 4 over 4 splits, the last one ragged."""
+def attention_self_test(
+    runner: kernels.Runner | None = None,
+    *,
+    draft: bool = False,
+    rows: int = 4,
+    splits: int | None = None,
+    big: bool = False,
+) -> tuple[mx.array, mx.array]:
+    """(kernel, pure) attention of `rows` queries over the nested cache, both passes (key
+    splits, then their log-sum-exp merge): head_dim 128, GQA 2, 300 cached keys in KV groups of
+    32 (4096 keys, 8 KV heads, groups of 64 when big, the timed shape)."""
+    n_kv, heads, group = (4096, 8, 64) if big else (300, 2, 32)
     k1, k2, k3 = mx.random.split(mx.random.key(2), 3)
-    n_kv, group, scale = 300, 32, 128**-0.5
-    q = mx.random.normal((1, 4, 4, 128), key=k1)
-    kp = nest_quantize(mx.random.normal((1, 2, n_kv, 128), key=k2) * 2, group)
-    vp = nest_quantize(mx.random.normal((1, 2, n_kv, 128), key=k3), group)
-    got, want = [], []
-    for draft, L, splits in ((True, 1, None), (False, 4, 4)):
-        qi = q[:, :, -L:]
-        got.append(
-            kernels.nested_kv_attention(
-                qi, kp, vp, draft=draft, scale=scale, group=group, splits=splits, runner=runner
-            )
-        )
-        k, v = (mx.repeat(nest_dequantize(*p, group, draft), 2, axis=1) for p in (kp, vp))
-        mask = "causal" if L > 1 else None
-        want.append(mx.fast.scaled_dot_product_attention(qi, k, v, scale=scale, mask=mask))
+    q = mx.random.normal((1, 2 * heads, rows, 128), key=k1)
+    kp = nest_quantize(mx.random.normal((1, heads, n_kv, 128), key=k2) * 2, group)
+    vp = nest_quantize(mx.random.normal((1, heads, n_kv, 128), key=k3), group)
+    scale = 128**-0.5
+    got = kernels.nested_kv_attention(
+        q, kp, vp, draft=draft, scale=scale, group=group, splits=splits, runner=runner
+    )
+    k, v = (mx.repeat(nest_dequantize(*p, group, draft), 2, axis=1) for p in (kp, vp))
+    mask = "causal" if rows > 1 else None
+    return got, mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def kernel_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx.array]:
+    """(kernel, pure) attention as decode and verification really call it: the draft (KV4) at
+    L = 1 with the launch's own split count, the target (KV8) at L = 4 over 4 splits, the last
+    one ragged."""
+    pairs = [
+        attention_self_test(runner, draft=True, rows=1),
+        attention_self_test(runner, draft=False, rows=4, splits=4),
+    ]
+    got, want = zip(*pairs)
     return mx.concatenate(got, axis=2), mx.concatenate(want, axis=2)
