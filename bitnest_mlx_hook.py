@@ -1,7 +1,7 @@
 """Startup hook (run by bitnest_mlx_hook.pth): mlx-lm sees bitnest models in any Python process.
 
 It only puts a finder on `sys.meta_path` (stdlib only, nothing imported): the finder acts when
-mlx-lm itself imports one of WATCHED, and hands over to `bitnest_mlx.mlx_lm_plugin`.
+mlx-lm itself imports one of WATCHED, and hands over to `bitnest_mlx.mlx_lm_integration.plugin`.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ class BitnestFinder(MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if fullname not in WATCHED:
             return None
-        from bitnest_mlx import mlx_lm_plugin
+        from bitnest_mlx.mlx_lm_integration import plugin
 
-        return mlx_lm_plugin.find_spec(fullname, path, target)
+        return plugin.find_spec(fullname, path, target)
 
 
 def install() -> None:

@@ -12,15 +12,15 @@ __version__ = "0.1.0"
 
 # name -> the module that defines it
 _EXPORTS = {
-    "load": "loader",
-    "load_model": "loader",
-    "default_dtype": "loader",
+    "load": "runtime.loader",
+    "load_model": "runtime.loader",
+    "default_dtype": "runtime.loader",
     "RunOptions": "layers.options",
-    "generate": "speculative",
-    "stream_generate": "speculative",
-    "make_sampler": "sampling",
-    "Sampler": "sampling",
-    "SpeculativeStats": "speculative",
+    "generate": "runtime.speculative",
+    "stream_generate": "runtime.speculative",
+    "make_sampler": "runtime.sampling",
+    "Sampler": "runtime.sampling",
+    "SpeculativeStats": "runtime.speculative",
 }
 
 
@@ -36,6 +36,6 @@ def register_mlx_lm() -> None:
     The installed startup hook (bitnest_mlx_hook.pth) already does this for every process; call
     it when running from a source tree without `pip install`. See docs/mlx-lm.md.
     """
-    from .mlx_lm_plugin import register
+    from .mlx_lm_integration.plugin import register
 
     register()

@@ -39,8 +39,7 @@ import numpy as np
 import bitnest_mlx
 from bitnest_mlx.layers.dual_plane import keep_dense
 from bitnest_mlx.layers.options import RunOptions
-from bitnest_mlx.sampling import Sampler
-from bitnest_mlx.workloads import (
+from bitnest_mlx.measurement.workloads import (
     PROJECT_CHIPS,
     WORKLOADS,
     load_workload,
@@ -48,6 +47,7 @@ from bitnest_mlx.workloads import (
     run_prompts,
     speculate,
 )
+from bitnest_mlx.runtime.sampling import Sampler
 
 VARIANTS = ("full", "K", "K+join")
 SAMPLED = Sampler(temp=0.7, top_p=0.95)

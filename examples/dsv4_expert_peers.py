@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 from bitnest_mlx.models.deepseek_v4 import ModelArgs
 
-from bitnest_mlx import dsv4_bench
 from bitnest_mlx.formats.dsv4_synthetic import synthetic_config
+from bitnest_mlx.measurement import dsv4_bench
 
 config = synthetic_config(2)  # Flash layers 3-4: gate/up 2-bit, down 4-bit
 proj = lambda b: SimpleNamespace(bits=b)

@@ -7,7 +7,7 @@ OUT=${1:-/work/runs/dsv4-2layer}
 PY=${PYTHON:-python}
 
 # 1. Flash layers 3-4 (ratios 128 and 4, gate/up 2-bit, down 4-bit), random weights, streamed.
-$PY -m bitnest_mlx.dsv4 make-bundle --layers 2 --out "$OUT"
+$PY -m bitnest_mlx.runtime.dsv4 make-bundle --layers 2 --out "$OUT"
 
 # 2. Resident: peak RSS of load + one decode step vs the tensor bytes, decode tok/s, weight bytes
 #    per token, the per-part table, and the routed experts beside mlx-lm's SwitchGLU.
@@ -16,7 +16,7 @@ $PY -m bitnest_mlx.bench --model "$OUT" --prompt-tokens 4 --gen-tokens 4 --parts
 
 # 3. A budget of 25 % of the routed-expert code bytes: peak RSS vs non-expert bytes + budget,
 #    hit rate and disk bytes per token.
-BUDGET=$($PY -c "from bitnest_mlx.dsv4_bench import bundle_bytes as b; \
+BUDGET=$($PY -c "from bitnest_mlx.measurement.dsv4_bench import bundle_bytes as b; \
 print(0.25 * b('$OUT')['expert_code_bytes'] / 1e9)")
 $PY -m bitnest_mlx.bench --model "$OUT" --prompt-tokens 4 --gen-tokens 16 --no-mlx-lm \
   --max-expert-memory "$BUDGET" --json > "$OUT.budget.json"
@@ -40,7 +40,7 @@ import numpy as np
 sys.path.insert(0, "tests")
 from pipeline_worker import greedy, parameter_bytes
 from bitnest_mlx import load
-from bitnest_mlx.dsv4_bench import peak_rss_bytes
+from bitnest_mlx.measurement.dsv4_bench import peak_rss_bytes
 out = sys.argv[1]
 model, _ = load(out)
 tokens, logits = greedy(model)

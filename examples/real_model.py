@@ -49,8 +49,8 @@ import bitnest_mlx
 from bitnest_mlx.convert import ConvertSettings, convert, fold_norms
 from bitnest_mlx.convert.rotation import rotate
 from bitnest_mlx.convert.sources import Source, load_gguf
-from bitnest_mlx.evaluation import evaluate, window_nll, windows
-from bitnest_mlx.loader import model_format
+from bitnest_mlx.measurement.evaluation import evaluate, window_nll, windows
+from bitnest_mlx.runtime.loader import model_format
 
 SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 GGUF = "qwen2.5-coder-0.5b-instruct.gguf"
@@ -210,7 +210,7 @@ class VocabSweep:
         """(token ids, most frequent first; how many held-out tokens the ranking counted), as
         the converter ranks them."""
         from bitnest_mlx.convert.calib import CALIB_TOKENS, calibration_tokens
-        from bitnest_mlx.convert.draft_vocab import rank_package_tokens, split_held_out
+        from bitnest_mlx.measurement.draft_vocab_score import rank_package_tokens, split_held_out
 
         model, tokenizer = self.loaded
         calibration = calibration_tokens(tokenizer, None, CALIB_TOKENS, 256)

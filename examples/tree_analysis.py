@@ -35,8 +35,8 @@ import numpy as np
 import bitnest_mlx
 from bitnest_mlx.layers.dual_plane import keep_dense
 from bitnest_mlx.layers.options import RunOptions
-from bitnest_mlx.sampling import Sampler
-from bitnest_mlx.workloads import cost_models, load_workload, prompt_ids
+from bitnest_mlx.measurement.workloads import cost_models, load_workload, prompt_ids
+from bitnest_mlx.runtime.sampling import Sampler
 
 BUDGETS = (4, 8, 16)
 MAX_BRANCH = 4

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 import bitnest_mlx
-from bitnest_mlx.workloads import cost_models
+from bitnest_mlx.measurement.workloads import cost_models
 
 CHIPS = ("M1", "M3 Max", "M4 Max")
 

@@ -105,7 +105,7 @@ def make_package(
     package also loads through `bitnest_mlx.load`. `group_size`: the weight group (None: the
     writer's choice, 128 for these dims).
     """
-    from bitnest_mlx.demo import write_tokenizer
+    from bitnest_mlx.runtime.demo import write_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     if tokenizer:
@@ -298,7 +298,7 @@ def tiny_package(
         w[f"model.layers.{i}.input_layernorm.weight"] = np.ones(d)
         w[f"model.layers.{i}.post_attention_layernorm.weight"] = np.ones(d)
     out.mkdir(parents=True, exist_ok=True)
-    from bitnest_mlx.demo import write_tokenizer
+    from bitnest_mlx.runtime.demo import write_tokenizer
 
     write_tokenizer(out)  # `load` wants a tokenizer; these tests work on token ids
     weights = {k: v.astype(np.float32) for k, v in w.items()}
@@ -314,7 +314,7 @@ def differing_pair(out: Path, temp: float):
     after token 3: (model, y = [3], sampler at `temp`, target p [8], draft q [8] probabilities)."""
     import mlx.core as mx
 
-    from bitnest_mlx.sampling import make_sampler
+    from bitnest_mlx.runtime.sampling import make_sampler
 
     model = tiny_package(out, seed=3, vocab=8, outlier=8.0)
     y = mx.array([3], dtype=mx.uint32)
@@ -506,7 +506,7 @@ def dsv4_hf_state_dict(weights: dict[str, np.ndarray]):
     """Our DSV4 weights under transformers' DeepseekV4ForCausalLM names (torch tensors)."""
     import torch
 
-    from bitnest_mlx.demo import TINY_CONFIG
+    from bitnest_mlx.runtime.demo import TINY_CONFIG
 
     sd = {}
     for key, value in weights.items():
@@ -533,7 +533,7 @@ def dsv4_model(weights: dict[str, np.ndarray], **overrides):
     """The float DSV4 model of TINY_CONFIG (+ overrides) with `weights` loaded."""
     from bitnest_mlx.models.deepseek_v4 import Model, ModelArgs
 
-    from bitnest_mlx.demo import TINY_CONFIG
+    from bitnest_mlx.runtime.demo import TINY_CONFIG
 
     model = Model(ModelArgs.from_dict({**TINY_CONFIG, **overrides}))
     model.load_weights([(k, mx.array(v)) for k, v in weights.items()], strict=True)

@@ -24,10 +24,10 @@ import mlx.core as mx
 import numpy as np
 from factory import make_package
 
-from bitnest_mlx.demo import write_demo_bundle, write_tokenizer
 from bitnest_mlx.formats import bitnest, dsv4_bundle, dsv4_bundle_write
 from bitnest_mlx.layers.options import RunOptions
-from bitnest_mlx.loader import LOAD_ERRORS, load, load_model
+from bitnest_mlx.runtime.demo import write_demo_bundle, write_tokenizer
+from bitnest_mlx.runtime.loader import LOAD_ERRORS, load, load_model
 
 TIME_LIMIT_S = 10.0  # CPU seconds per case
 HANG_S = 120  # wall seconds per case before the run is ended as hung

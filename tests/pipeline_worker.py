@@ -43,7 +43,7 @@ def parameter_bytes(model) -> int:
 
 def main(bundle: str, out: str) -> None:
     from bitnest_mlx import load
-    from bitnest_mlx.dsv4_bench import peak_rss_bytes
+    from bitnest_mlx.measurement.dsv4_bench import peak_rss_bytes
 
     group = mx.distributed.init(strict=True, backend="ring")
     mx.reset_peak_memory()

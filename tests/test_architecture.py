@@ -1,16 +1,23 @@
-"""The package's import graph: one direction (formats -> layers -> models -> generation -> faces),
-no cycles, every module a size a reader can hold (docs/architecture.md)."""
+"""The package's import graph: one direction (formats -> kernels -> layers -> models ->
+converter -> runtime -> measurement -> mlx-lm integration / faces), no cycles, every module a
+size a reader can hold (docs/architecture.md)."""
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# Where each module of the installed package lives in the source tree.
-SOURCES = {"bitnest_mlx": ROOT / "bitnest_mlx", "bitnest_mlx.models": ROOT / "models"}
+# Where each module of the installed package lives in the source tree; a path to a file is a
+# top-level module (the startup hook, installed beside the package by setup.py).
+SOURCES = {
+    "bitnest_mlx": ROOT / "bitnest_mlx",
+    "bitnest_mlx.models": ROOT / "models",
+    "bitnest_mlx_hook": ROOT / "bitnest_mlx_hook.py",
+}
 
 # Rank of each part: a module may import parts of its own rank or lower, never higher.
 RANKS = {
@@ -19,41 +26,40 @@ RANKS = {
     "kernels": 1,  # Metal launches; told their reference by the layers
     "layers": 2,  # storage formats as nn.Modules and caches
     "models": 3,  # architectures
-    "convert": 4,  # float weights -> packages, calibrated through the models' own forward
-    "sampling": 4,
-    "speculative": 4,
-    "evaluation": 4,
-    "chips": 0,  # Apple GPU facts: bandwidth, cores, clocks
-    "roofline": 4,  # bytes per token and the draft-KV policy
-    "speed_model": 4,  # v(M) and what a round of speculation costs
-    "prompt_lookup": 4,  # n-gram drafts from the context
-    "draft_control": 4,  # each round's plan: chain, copy, copy + chain, target-only
-    "draftless": 4,  # models with no draft plane (DeepSeek-V4) in the speculative loop
-    "workloads": 4,  # bench --workloads' prompts and runs
-    "loader": 4,
-    "dsv4": 4,
-    "dsv4_bench": 4,  # DeepSeek-V4 memory, bytes and per-part timing for bench
-    "demo": 4,
-    "mlx_lm_plugin": 5,  # faces
-    "mlx_lm_speculation": 5,  # mlx-lm's speculative contract, for the plugin
-    "cli": 5,
-    "generate": 5,
-    "chat": 5,
-    "upload": 5,
-    "publish": 4,  # the model card and the Hub upload of a package or bundle
-    "eval": 5,
-    "bench": 5,
-    "server": 5,
-    "verify": 5,
-    "doctor": 5,  # bitnest-doctor's shim
-    "__main__": 5,
-    "__init__": 5,  # the lazy public API
+    # float weights -> packages, calibrated through the models' own forward; above its rank it
+    # may import CONVERTER_API and nothing else
+    "convert": 4,
+    # loading, generation (speculative loop, sampling, drafts) and the costs it plans with
+    # (bytes per token, the draft-KV policy, v(M) on the chips' facts)
+    "runtime": 5,
+    "measurement": 6,  # what bench and eval report: roofline, evaluation, workloads, projections
+    "mlx_lm_integration": 7,  # mlx-lm's commands and server on our models (a face)
+    "cli": 7,  # the commands' argument parsing, main and printing
+    "generate": 7,  # `python -m bitnest_mlx.<name>` shims
+    "chat": 7,
+    "eval": 7,
+    "bench": 7,
+    "server": 7,
+    "upload": 7,
+    "verify": 7,
+    "doctor": 7,
+    "__main__": 7,
+    "__init__": 7,  # the lazy public API
+    "bitnest_mlx_hook": 8,  # the .pth's startup hook: stdlib only, hands over to the integration
 }
+# The converter's one way into the runtime: load a package and score a draft vocabulary.
+CONVERTER_API = "bitnest_mlx.measurement.draft_vocab_score"
+# What the startup hook may import of ours (lazily: at startup it imports the stdlib only).
+HOOK_MAY_IMPORT = "bitnest_mlx.mlx_lm_integration"
 
 
 def module_files() -> dict[str, Path]:
     files = {}
     for package, folder in SOURCES.items():
+        if folder.suffix == ".py":
+            if folder.exists():
+                files[package] = folder
+            continue
         for f in folder.rglob("*.py"):
             parts = list(f.relative_to(folder).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -93,6 +99,8 @@ def graph() -> dict[str, set[str]]:
 def part(name: str) -> str:
     if name == "bitnest_mlx":
         return "__init__"
+    if name == "bitnest_mlx_hook":
+        return name
     if name.endswith(".__main__"):  # `python -m` entry points are faces wherever they sit
         return "__main__"
     if name.startswith("bitnest_mlx.models"):
@@ -100,8 +108,20 @@ def part(name: str) -> str:
     return name.split(".")[1]
 
 
+def allowed(a: str, b: str) -> bool:
+    """May module `a` import module `b`? Its rank or lower; the converter also CONVERTER_API."""
+    return RANKS[part(b)] <= RANKS[part(a)] or (part(a) == "convert" and b == CONVERTER_API)
+
+
 def test_every_part_of_the_package_has_a_rank():
     assert {part(m) for m in graph()} <= set(RANKS), "give new top-level modules a rank"
+
+
+def test_every_module_is_in_the_graph():
+    """Every .py under bitnest_mlx/ and models/, and the startup hook."""
+    files = module_files()
+    want = {*(ROOT / "bitnest_mlx").rglob("*.py"), *(ROOT / "models").rglob("*.py")}
+    assert set(files.values()) == {*want, ROOT / "bitnest_mlx_hook.py"}
 
 
 def test_imports_go_one_way_only():
@@ -109,9 +129,54 @@ def test_imports_go_one_way_only():
         f"{a} (rank {RANKS[part(a)]}) imports {b} (rank {RANKS[part(b)]})"
         for a, targets in graph().items()
         for b in targets
-        if RANKS[part(b)] > RANKS[part(a)]
+        if not allowed(a, b)
     ]
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_converter_reaches_the_runtime_through_one_module():
+    """Above its rank the converter imports CONVERTER_API only (one function: load a package and
+    score a draft vocabulary), and that module exists."""
+    g = graph()
+    assert CONVERTER_API in g
+    above = {
+        b
+        for a, targets in g.items()
+        if part(a) == "convert"
+        for b in targets
+        if RANKS[part(b)] > RANKS["convert"]
+    }
+    assert above == {CONVERTER_API}
+    assert not any(part(b) == "convert" for b in g[CONVERTER_API] if b != CONVERTER_API)
+
+
+def test_the_startup_hook_imports_the_stdlib_and_lazily_the_integration_only():
+    """bitnest_mlx_hook runs at every Python startup (the .pth): at module level it imports the
+    standard library only; inside functions, the mlx-lm integration subpackage and nothing else
+    of ours or any third party's."""
+    tree = ast.parse(SOURCES["bitnest_mlx_hook"].read_text(encoding="utf-8"))
+    lazy = {
+        id(n)
+        for f in ast.walk(tree)
+        if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+        for n in ast.walk(f)
+    }
+    wrong = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] if not node.level else ["<relative>"]
+            if node.module == "bitnest_mlx":
+                names = [f"bitnest_mlx.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            ours = name == HOOK_MAY_IMPORT or name.startswith(HOOK_MAY_IMPORT + ".")
+            stdlib = name.split(".")[0] in sys.stdlib_module_names or name == "__future__"
+            if not (stdlib or (ours and id(node) in lazy)):
+                wrong.append(f"line {node.lineno}: {name}")
+    assert not wrong, wrong
 
 
 def test_named_forbidden_directions_are_absent():
@@ -119,7 +184,10 @@ def test_named_forbidden_directions_are_absent():
         "formats": ("layers", "models", "kernels"),
         "layers": ("models",),
         "kernels": ("layers", "models"),
-        "models": ("cli", "generate", "eval", "bench", "server", "loader", "speculative"),
+        "models": ("cli", "generate", "eval", "bench", "server", "runtime", "measurement"),
+        "runtime": ("measurement", "mlx_lm_integration", "cli"),
+        "measurement": ("mlx_lm_integration", "cli"),
+        "convert": ("runtime", "mlx_lm_integration", "cli"),
     }
     g = graph()
     for a, targets in g.items():
@@ -163,6 +231,31 @@ def test_the_checker_sees_a_planted_cycle_and_a_wrong_direction(tmp_path, monkey
         test_imports_go_one_way_only()
     with pytest.raises(pytest.fail.Exception, match="import cycle"):
         test_no_import_cycles()
+
+
+def test_the_checker_lets_the_converter_import_its_one_module_above_and_nothing_else(
+    tmp_path, monkeypatch
+):
+    pkg = tmp_path / "bitnest_mlx"
+    for sub in ("convert", "runtime", "measurement"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "runtime" / "loader.py").write_text("")
+    (pkg / "measurement" / "draft_vocab_score.py").write_text("from ..runtime import loader\n")
+    (pkg / "convert" / "draft_vocab.py").write_text(
+        "def f():\n    from ..measurement.draft_vocab_score import score_draft_vocabulary\n"
+    )
+    monkeypatch.setattr(
+        "test_architecture.SOURCES", {"bitnest_mlx": pkg, "bitnest_mlx.models": tmp_path / "none"}
+    )
+    test_imports_go_one_way_only()
+    test_the_converter_reaches_the_runtime_through_one_module()
+    (pkg / "convert" / "calibrate.py").write_text("from ..runtime.loader import load\n")
+    with pytest.raises(AssertionError, match="convert.calibrate .rank 4. imports"):
+        test_imports_go_one_way_only()
+    with pytest.raises(AssertionError):
+        test_the_converter_reaches_the_runtime_through_one_module()
 
 
 def test_every_module_is_under_450_lines():

@@ -13,10 +13,10 @@ from mlx_lm.generate import BatchGenerator, generate_step
 sys.path.insert(0, str(Path(__file__).parent))
 from factory import make_package  # noqa: E402
 
-from bitnest_mlx.demo import demo_path  # noqa: E402
 from bitnest_mlx.layers.batch_nested_kv import BatchNestedKVCache  # noqa: E402
 from bitnest_mlx.layers.nested_kv import NestedKVCache  # noqa: E402
-from bitnest_mlx.loader import load_model  # noqa: E402
+from bitnest_mlx.runtime.demo import demo_path  # noqa: E402
+from bitnest_mlx.runtime.loader import load_model  # noqa: E402
 
 PROMPTS = ([1, 5, 9, 33, 12], [7, 8], [3, 4, 5, 6, 7, 8, 9, 10, 11], [2] * 20)
 MAX_TOKENS = (16, 9, 16, 12)  # rows leave the batch at different steps (filter)

@@ -5,8 +5,8 @@ import pytest
 from bitnest_mlx import load
 from bitnest_mlx.cli import bench
 from bitnest_mlx.cli.bench import CHIPS, roofline
-from bitnest_mlx.demo import demo_path
 from bitnest_mlx.formats import bitnest
+from bitnest_mlx.runtime.demo import demo_path
 
 
 def _bench_json(capsys, *argv: str) -> dict:
@@ -66,7 +66,7 @@ def test_roofline_counts_the_package_planes_and_scales():
 
 
 def test_bench_reports_dsv4_bundle_tok_s(capsys):
-    from bitnest_mlx.demo import demo_bundle_path
+    from bitnest_mlx.runtime.demo import demo_bundle_path
 
     out = _bench_json(
         capsys, "--model", str(demo_bundle_path()), "--prompt-tokens", "16", "--gen-tokens", "4"
@@ -76,7 +76,7 @@ def test_bench_reports_dsv4_bundle_tok_s(capsys):
 
 
 def test_speed_model_of_a_package_reads_its_bytes_without_loading_weights(capsys):
-    from bitnest_mlx.speed_model import CostModel, best_iid_speedup
+    from bitnest_mlx.runtime.speed_model import CostModel, best_iid_speedup
 
     path = demo_path()
     out = _bench_json(

@@ -136,7 +136,7 @@ def test_eval_refuses_a_text_of_one_token(tmp_path, capsys):
 
 
 def test_eval_refuses_a_single_precision_model(tmp_path, capsys):
-    from bitnest_mlx.demo import demo_bundle_path
+    from bitnest_mlx.runtime.demo import demo_bundle_path
 
     text = tmp_path / "t.txt"
     text.write_text("the river runs slowly past the old mill")
@@ -148,7 +148,7 @@ def test_eval_refuses_a_single_precision_model(tmp_path, capsys):
 def test_a_broken_dsv4_bundle_is_one_line(cli, tmp_path, capsys):
     import shutil
 
-    from bitnest_mlx.demo import demo_bundle_path
+    from bitnest_mlx.runtime.demo import demo_bundle_path
 
     bundle = shutil.copytree(demo_bundle_path(), tmp_path / "b")
     shard = sorted(bundle.glob("*.safetensors"))[0]

@@ -102,7 +102,7 @@ def test_convert_cli_refuses_a_w8_slack_below_half_a_step(capsys):
 def test_convert_cli_hf_checkpoint_loads_in_all_modes(tmp_path):
     model = tiny_hf("qwen2")
     model.save_pretrained(tmp_path / "hf")
-    from bitnest_mlx.demo import write_tokenizer
+    from bitnest_mlx.runtime.demo import write_tokenizer
 
     write_tokenizer(tmp_path / "hf")
     calib = tmp_path / "calib.txt"
@@ -167,7 +167,7 @@ def test_calibrated_codes_beat_rtn_on_every_linear_with_its_calibration_inputs(t
 
 def test_converted_package_runs_speculative_decoding(tmp_path):
     import bitnest_mlx
-    from bitnest_mlx.demo import write_tokenizer
+    from bitnest_mlx.runtime.demo import write_tokenizer
 
     model = tiny_hf("llama")
     model.save_pretrained(tmp_path / "hf")
@@ -180,7 +180,7 @@ def test_converted_package_runs_speculative_decoding(tmp_path):
         settings=ConvertSettings(method="rtn", rotate_kind="random"),
         scratch=tmp_path,
     )
-    from bitnest_mlx.speculative import speculative_generate_step
+    from bitnest_mlx.runtime.speculative import speculative_generate_step
 
     m, tok = bitnest_mlx.load(tmp_path / "pkg", dtype=mx.float32)
     assert tok is not None
@@ -219,7 +219,7 @@ def test_gptq_residual_recovers_w8_accuracy_lost_to_saturation():
 
 def test_convert_warns_when_calibration_tokens_leave_the_widest_hessian_singular(tmp_path):
     from bitnest_mlx.convert import ConvertSettings, convert
-    from bitnest_mlx.demo import write_tokenizer
+    from bitnest_mlx.runtime.demo import write_tokenizer
 
     tiny_hf("llama").save_pretrained(tmp_path / "hf")  # intermediate_size 384
     write_tokenizer(tmp_path / "hf")

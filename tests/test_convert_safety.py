@@ -22,7 +22,7 @@ from bitnest_mlx.convert import (  # noqa: E402
     convert,
 )
 from bitnest_mlx.convert.methods import Method  # noqa: E402
-from bitnest_mlx.demo import write_tokenizer  # noqa: E402
+from bitnest_mlx.runtime.demo import write_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

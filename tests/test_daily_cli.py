@@ -17,7 +17,7 @@ import pytest
 import bitnest_mlx
 from bitnest_mlx.cli import chat, entry, generate
 from bitnest_mlx.cli.args import default_mode
-from bitnest_mlx.demo import demo_path
+from bitnest_mlx.runtime.demo import demo_path
 
 LONG = ["--max-tokens", "1000", "--temp", "1.0", "--ignore-chat-template"]  # 300+ tokens, seed 0
 
@@ -219,7 +219,7 @@ def test_chat_refuses_a_model_without_a_template_in_one_line(tmp_path, monkeypat
 
 @pytest.mark.parametrize("which", ["demo package", "DeepSeek-V4 demo bundle"])
 def test_a_chat_turn_on_the_kept_cache_equals_the_turn_computed_afresh(which):
-    from bitnest_mlx.demo import demo_bundle_path
+    from bitnest_mlx.runtime.demo import demo_bundle_path
 
     path = demo_path() if which == "demo package" else demo_bundle_path()
     args = chat.build_parser().parse_args(["--model", str(path), "--max-tokens", "8"])
@@ -322,7 +322,7 @@ def test_a_prompt_cache_file_from_mlx_lm_cache_prompt_continues_exactly(tmp_path
         )
         assert code == 0, err
         assert json.loads(out)["tokens"] == json.loads(whole)["tokens"], mode
-    from bitnest_mlx.demo import demo_bundle_path
+    from bitnest_mlx.runtime.demo import demo_bundle_path
 
     code, _, err = run(
         capsys, generate, "--model", str(demo_bundle_path()), "--prompt-cache-file", str(file)
@@ -334,7 +334,7 @@ def test_a_prompt_cache_file_from_mlx_lm_cache_prompt_continues_exactly(tmp_path
 
 
 def test_eval_reports_progress_of_each_stage_to_its_callback():
-    from bitnest_mlx.evaluation import evaluate
+    from bitnest_mlx.measurement.evaluation import evaluate
 
     model, tokenizer = bitnest_mlx.load("demo")
     seen: list[tuple[str, int, int]] = []

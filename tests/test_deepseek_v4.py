@@ -15,9 +15,9 @@ import tools
 from bitnest_mlx.models.deepseek_v4 import Model
 from factory import dsv4_hf_state_dict, dsv4_model
 
-from bitnest_mlx.demo import TINY_CONFIG, random_weights
 from bitnest_mlx.layers.dsv4_ops import fp4_fake_quant, fp8_fake_quant
 from bitnest_mlx.layers.options import RunOptions
+from bitnest_mlx.runtime.demo import TINY_CONFIG, random_weights
 
 T, PREFILL, TOL = 300, 131, 1e-4  # PREFILL is not a multiple of 4: pending rows carry over
 

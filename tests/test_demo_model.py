@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import bitnest_mlx
-from bitnest_mlx.demo import SHIPPED_DEMO, demo_path, resolve_model
-from bitnest_mlx.evaluation import window_nll
+from bitnest_mlx.measurement.evaluation import window_nll
+from bitnest_mlx.runtime.demo import SHIPPED_DEMO, demo_path, resolve_model
 
 # The Artistic License 1.0's preamble: English of the training text's kind, but from the one
 # license examples/train_demo.py holds out, so the model never saw it.

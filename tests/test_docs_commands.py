@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from bitnest_mlx import dsv4
 from bitnest_mlx.cli import (
     COMMANDS,
     bench,
@@ -29,6 +28,7 @@ from bitnest_mlx.cli import (
     upload,
     verify,
 )
+from bitnest_mlx.runtime import dsv4
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

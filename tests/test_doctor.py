@@ -60,7 +60,7 @@ def test_verify_cost_is_timed_on_the_pure_path_beside_the_table(emulated_report)
 
 def test_verify_report_prints_the_table_of_a_known_chip():
     from bitnest_mlx.cli import doctor_verify
-    from bitnest_mlx.speed_model import verify_cost
+    from bitnest_mlx.runtime.speed_model import verify_cost
 
     v = doctor_verify.verify_report(False, "Apple M4 Max", repeats=1)
     assert v["table_chip"] == "M4 Max"

@@ -14,20 +14,20 @@ from factory import tiny_package
 from mlx_lm.generate import generate_step
 from numpy_reference import Reference, Trace
 
-from bitnest_mlx import speculative
 from bitnest_mlx.cli import generate
 from bitnest_mlx.layers import dual_plane, nested_kv
 from bitnest_mlx.layers.options import RunOptions
-from bitnest_mlx.roofline import (
+from bitnest_mlx.measurement.roofline import roofline
+from bitnest_mlx.runtime import speculative
+from bitnest_mlx.runtime.draft_kv import (
     KV8_BUDGET,
     choose_draft_kv,
     kv8_context_limit,
     model_kv8_limit,
     resolve_draft_kv,
-    roofline,
 )
-from bitnest_mlx.sampling import make_sampler
-from bitnest_mlx.speculative import SpeculativeStats, speculative_generate_step
+from bitnest_mlx.runtime.sampling import make_sampler
+from bitnest_mlx.runtime.speculative import SpeculativeStats, speculative_generate_step
 
 TOKENS = [3, 141, 59, 265, 35, 89, 7, 93, 12, 200]
 

@@ -11,10 +11,10 @@ from mlx_lm.generate import generate_step
 from test_speculative import P_LOGITS, chi2_pvalue, tokens_of
 
 import bitnest_mlx
-from bitnest_mlx.demo import demo_path
-from bitnest_mlx.prompt_lookup import PromptLookup
-from bitnest_mlx.sampling import make_sampler
-from bitnest_mlx.speculative import (
+from bitnest_mlx.runtime.demo import demo_path
+from bitnest_mlx.runtime.prompt_lookup import PromptLookup
+from bitnest_mlx.runtime.sampling import make_sampler
+from bitnest_mlx.runtime.speculative import (
     Sampler,
     SpeculativeStats,
     commit,
@@ -24,7 +24,7 @@ from bitnest_mlx.speculative import (
     speculative_sample,
     verify,
 )
-from bitnest_mlx.speed_model import CostModel, rounds_speedup
+from bitnest_mlx.runtime.speed_model import CostModel, rounds_speedup
 
 SOURCES = ("ngram", "auto", "model")
 

@@ -13,9 +13,9 @@ from factory import copy_package, edit_json, load_tensors, reseal, save_tensors,
 import bitnest_mlx
 from bitnest_mlx.formats.bitnest import PackageError
 from bitnest_mlx.formats.bitnest.draft_vocab import DRAFT_VOCAB, add_draft_vocab
-from bitnest_mlx.roofline import head_bytes, weight_bytes
-from bitnest_mlx.sampling import make_sampler
-from bitnest_mlx.speculative import SpeculativeStats, speculative_generate_step
+from bitnest_mlx.runtime.sampling import make_sampler
+from bitnest_mlx.runtime.speculative import SpeculativeStats, speculative_generate_step
+from bitnest_mlx.runtime.token_bytes import head_bytes, weight_bytes
 
 VOCAB = 64
 
@@ -168,11 +168,16 @@ def test_block_without_tensor_is_refused_and_adding_twice_is_refused(packages, t
 
 
 # ---------------------------------------------------------------------------------------------
-# The converter's choice (bitnest_mlx.convert.draft_vocab)
+# The converter's choice (bitnest_mlx.measurement.draft_vocab_score, written by
+# bitnest_mlx.convert.draft_vocab)
 
 
 def test_ranking_weighs_each_source_once_and_breaks_ties_by_lower_id():
-    from bitnest_mlx.convert.draft_vocab import candidate_sizes, rank_tokens, token_frequencies
+    from bitnest_mlx.measurement.draft_vocab_score import (
+        candidate_sizes,
+        rank_tokens,
+        token_frequencies,
+    )
 
     calibration = np.array([7] * 90 + [3] * 10)  # 7 most frequent there
     own = np.zeros(10)
@@ -185,7 +190,7 @@ def test_ranking_weighs_each_source_once_and_breaks_ties_by_lower_id():
 
 
 def test_held_out_sequences_are_the_last_ones_and_never_more_than_half():
-    from bitnest_mlx.convert.draft_vocab import HELD_OUT_TOKENS, split_held_out
+    from bitnest_mlx.measurement.draft_vocab_score import HELD_OUT_TOKENS, split_held_out
 
     calibration = np.arange(40 * 256).reshape(40, 256)
     rest, held = split_held_out(calibration)
@@ -204,7 +209,7 @@ def wide_vocab_model(tmp_path_factory):
 
 
 def test_bytes_model_drops_rows_only_when_the_acceptance_pays_for_them(wide_vocab_model):
-    from bitnest_mlx.convert import draft_vocab
+    from bitnest_mlx.measurement import draft_vocab_score as draft_vocab
 
     model = wide_vocab_model
     sizes = draft_vocab.candidate_sizes(20000)
@@ -223,9 +228,9 @@ def test_bytes_model_drops_rows_only_when_the_acceptance_pays_for_them(wide_voca
 def test_acceptance_is_the_drafts_sum_min_and_the_own_text_the_targets_mean_distribution(
     wide_vocab_model,
 ):
-    from bitnest_mlx.convert.draft_vocab import acceptance_by_size
-    from bitnest_mlx.evaluation import SAMPLING
-    from bitnest_mlx.sampling import Sampler, acceptance_probability
+    from bitnest_mlx.measurement.draft_vocab_score import acceptance_by_size
+    from bitnest_mlx.measurement.evaluation import SAMPLING
+    from bitnest_mlx.runtime.sampling import Sampler, acceptance_probability
 
     model = wide_vocab_model
     ids, start = [5, 17, 300, 9, 12000, 4], 2
@@ -261,7 +266,7 @@ def test_build_draft_vocab_stores_the_top_k_of_both_sources_in_the_package(tmp_p
 
 
 def test_evaluation_scores_the_w4_model_and_the_reduced_draft_separately(packages):
-    from bitnest_mlx.evaluation import evaluate
+    from bitnest_mlx.measurement.evaluation import evaluate
 
     full, reduced, ids, _ = packages
     text = "12 + 34 = 46; 7 * 8 = 56, (9 - 3) / 2 = 3. " * 8  # bytes < 64: ids in the vocabulary

@@ -14,8 +14,8 @@ from bitnest_mlx.formats.bitnest.draft_vocab import add_draft_vocab
 from bitnest_mlx.layers import draft_vocab
 from bitnest_mlx.layers.draft_vocab import DraftVocabJoin
 from bitnest_mlx.layers.dual_plane import keep_dense
-from bitnest_mlx.sampling import make_sampler
-from bitnest_mlx.speculative import SpeculativeStats, speculative_generate_step
+from bitnest_mlx.runtime.sampling import make_sampler
+from bitnest_mlx.runtime.speculative import SpeculativeStats, speculative_generate_step
 
 VOCAB = 64
 KEPT = np.array([i for i in range(VOCAB) if i % 3], dtype=np.int32)  # multiples of 3 left out

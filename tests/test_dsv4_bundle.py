@@ -12,10 +12,10 @@ from bitnest_mlx.models.deepseek_v4 import ModelArgs
 from factory import dsv4_model
 
 from bitnest_mlx import load
-from bitnest_mlx.demo import DEMO_BITS, TINY_CONFIG, random_weights, write_demo_bundle
 from bitnest_mlx.formats import dsv4_bundle, dsv4_bundle_write, mxtq
 from bitnest_mlx.formats.dsv4_bundle import BundleError
 from bitnest_mlx.layers.mxtq_linear import MXTQSwitchLinear
+from bitnest_mlx.runtime.demo import DEMO_BITS, TINY_CONFIG, random_weights, write_demo_bundle
 
 TOKENS = np.random.default_rng(1).integers(2, TINY_CONFIG["vocab_size"], 40)
 

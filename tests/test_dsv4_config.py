@@ -13,9 +13,9 @@ import mlx.core as mx
 import pytest
 from bitnest_mlx.models.deepseek_v4 import ModelArgs
 
-from bitnest_mlx.demo import TINY_CONFIG, write_demo_bundle
 from bitnest_mlx.formats import dsv4_bundle, dsv4_bundle_write
 from bitnest_mlx.formats.dsv4_config import FIELDS, TYPES, BundleError, DSV4Config
+from bitnest_mlx.runtime.demo import TINY_CONFIG, write_demo_bundle
 
 CONFIG = dict(TINY_CONFIG, model_type="deepseek_v4")
 WRONG_TYPE = {  # one value of another JSON type per declared type (bool is not a number here)

@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from bitnest_mlx import dsv4, dsv4_bench, load
-from bitnest_mlx.demo import TINY_CONFIG, random_weights
+from bitnest_mlx import load
 from bitnest_mlx.formats import dsv4_bundle, dsv4_bundle_write, dsv4_synthetic
 from bitnest_mlx.layers.expert_store import ExpertStore, expert_source, tensor_ranges
 from bitnest_mlx.layers.mxtq_linear import MXTQSwitchLinear
-from bitnest_mlx.loader import ExpertBudgetError
+from bitnest_mlx.measurement import dsv4_bench
+from bitnest_mlx.runtime import dsv4
+from bitnest_mlx.runtime.demo import TINY_CONFIG, random_weights
+from bitnest_mlx.runtime.loader import ExpertBudgetError
 
 TOKENS = mx.array(np.random.default_rng(3).integers(2, 256, (1, 16)))
 
@@ -195,7 +197,7 @@ def test_store_counts_hits_misses_and_bytes_and_evicts_least_recent(tiny):
 
 
 def test_a_budget_on_a_bitnest_package_is_refused():
-    from bitnest_mlx.demo import demo_path
+    from bitnest_mlx.runtime.demo import demo_path
 
     with pytest.raises(ExpertBudgetError):
         load(demo_path(), max_expert_memory=1.0)

@@ -18,12 +18,12 @@ from factory import dsv4_model
 
 from bitnest_mlx import load
 from bitnest_mlx.cli import generate
-from bitnest_mlx.demo import TINY_CONFIG, demo_bundle_path, random_weights
-from bitnest_mlx.draftless import NoDraftError, bundle_cost
 from bitnest_mlx.formats import dsv4_bundle_write
-from bitnest_mlx.sampling import make_sampler
-from bitnest_mlx.speculative import SpeculativeStats, speculative_generate_step
-from bitnest_mlx.speed_model import DSV4_FLASH, rounds_speedup, verify_cost
+from bitnest_mlx.runtime.demo import TINY_CONFIG, demo_bundle_path, random_weights
+from bitnest_mlx.runtime.draftless import NoDraftError, bundle_cost
+from bitnest_mlx.runtime.sampling import make_sampler
+from bitnest_mlx.runtime.speculative import SpeculativeStats, speculative_generate_step
+from bitnest_mlx.runtime.speed_model import DSV4_FLASH, rounds_speedup, verify_cost
 
 TOKENS = 48
 PHRASE = np.random.default_rng(5).integers(2, 256, 7).tolist()

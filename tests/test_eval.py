@@ -14,8 +14,8 @@ from factory import VOCAB, config_dict, state, tiny_hf  # noqa: E402
 import bitnest_mlx  # noqa: E402
 from bitnest_mlx.cli import eval as eval_cli  # noqa: E402
 from bitnest_mlx.convert import write_package  # noqa: E402
-from bitnest_mlx.demo import write_tokenizer  # noqa: E402
-from bitnest_mlx.evaluation import evaluate  # noqa: E402
+from bitnest_mlx.measurement.evaluation import evaluate  # noqa: E402
+from bitnest_mlx.runtime.demo import write_tokenizer  # noqa: E402
 
 TEXT = "the mill by the river turned slowly while the water ran under the old stone bridge. " * 8
 

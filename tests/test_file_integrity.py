@@ -16,9 +16,9 @@ from factory import make_package
 
 import bitnest_mlx
 from bitnest_mlx.convert.sources import SourceError, load_hf
-from bitnest_mlx.demo import write_demo_bundle
 from bitnest_mlx.formats import bitnest, checksums, dsv4_bundle
 from bitnest_mlx.formats.safetensors_io import FormatError, read_header
+from bitnest_mlx.runtime.demo import write_demo_bundle
 
 
 def _file(path: Path, header: dict | str, data: bytes, length: int | None = None) -> Path:

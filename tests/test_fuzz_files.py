@@ -293,7 +293,7 @@ def _config_cases(config: dict) -> list[tuple[str, str, object]]:
 
 
 def _demo_config() -> dict:
-    from bitnest_mlx.demo import TINY_CONFIG
+    from bitnest_mlx.runtime.demo import TINY_CONFIG
 
     return dict(TINY_CONFIG)
 

@@ -51,7 +51,7 @@ from fuzz_support import tensor_files as _tensor_files
 from fuzz_support import write_header as _write_header
 
 from bitnest_mlx.formats import bitnest, dsv4_bundle
-from bitnest_mlx.loader import load_model
+from bitnest_mlx.runtime.loader import load_model
 
 FAMILIES = (
     "truncate",

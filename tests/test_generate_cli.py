@@ -90,7 +90,7 @@ def test_missing_model_is_a_clear_error(run_cli, tmp_path):
 
 
 def test_dsv4_demo_bundle_generates_and_refuses_draft_mode(run_cli):
-    from bitnest_mlx.demo import demo_bundle_path
+    from bitnest_mlx.runtime.demo import demo_bundle_path
 
     bundle = str(demo_bundle_path())
     r = run_cli("--model", bundle, "--prompt", "hi", "--max-tokens", "6", "--json")

@@ -90,7 +90,7 @@ def write_gguf(
 ) -> None:
     """A GGUF of HF `weights` (float32, or `tensor_type`) with a byte-level BPE vocabulary:
     token i < 256 is byte i, one merge ("Ġ Ġ"), then <|endoftext|> and reserved controls."""
-    from bitnest_mlx.demo import _bytes_to_unicode
+    from bitnest_mlx.runtime.demo import _bytes_to_unicode
 
     arch = config["model_type"]
     writer = gguf.GGUFWriter(str(path), arch)

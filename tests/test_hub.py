@@ -16,9 +16,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from hub_server import FakeHub  # noqa: E402
 
-from bitnest_mlx.demo import demo_path, write_demo_bundle, write_tokenizer  # noqa: E402
 from bitnest_mlx.formats import bitnest, dsv4_bundle_write  # noqa: E402
 from bitnest_mlx.hub import HubError, resolve  # noqa: E402
+from bitnest_mlx.runtime.demo import demo_path, write_demo_bundle, write_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

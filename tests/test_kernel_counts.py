@@ -10,10 +10,12 @@ import pytest
 import tools
 from metal_emu.emulator import InlineSpec
 
-from bitnest_mlx import chips, kernels
-from bitnest_mlx.cli import bench, kernel_costs
+from bitnest_mlx import kernels
+from bitnest_mlx.cli import bench
 from bitnest_mlx.kernels.emulator import counting, emulate, profile
-from bitnest_mlx.speed_model import KV8_CYCLES
+from bitnest_mlx.measurement import kernel_costs
+from bitnest_mlx.runtime import chips
+from bitnest_mlx.runtime.speed_model import KV8_CYCLES
 
 needs_compilers = tools.needs(emulate.CXX, counting.CLANG, why="operation counts build with both")
 

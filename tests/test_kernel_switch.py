@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from bitnest_mlx import kernels, loader
-from bitnest_mlx.demo import demo_bundle_path, demo_path
+from bitnest_mlx import kernels
 from bitnest_mlx.layers.options import RunOptions, at_load, kernels_allowed
+from bitnest_mlx.runtime import loader
+from bitnest_mlx.runtime.demo import demo_bundle_path, demo_path
 
 
 def test_only_zero_turns_the_kernels_off():

@@ -12,7 +12,7 @@ import pytest
 from factory import edit_json, make_package
 
 from bitnest_mlx.formats import bitnest
-from bitnest_mlx.loader import load_model
+from bitnest_mlx.runtime.loader import load_model
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 from factory import break_package, make_package
 
 import bitnest_mlx
-from bitnest_mlx.demo import demo_path, write_tokenizer
+from bitnest_mlx.runtime.demo import demo_path, write_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def package() -> str:
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> str:
-    from bitnest_mlx.demo import write_demo_bundle
+    from bitnest_mlx.runtime.demo import write_demo_bundle
 
     path = write_demo_bundle(tmp_path_factory.mktemp("dsv4") / "bundle")
     write_tokenizer(Path(path))  # byte-level: the bundle's 256 ids are the bytes
@@ -59,6 +59,15 @@ def _mlx_lm_cli(model: str, cwd: Path, *extra: str) -> str:
 def test_hook_pth_is_installed_in_site_packages():
     purelib = Path(sysconfig.get_paths()["purelib"])
     assert (purelib / "bitnest_mlx_hook.pth").read_text().startswith("import bitnest_mlx_hook")
+
+
+def test_the_hook_and_the_plugin_watch_the_same_modules():
+    """The stdlib-only hook keeps its own list (it imports nothing of ours at startup); the
+    plugin's finder (register() without the hook) acts on the same one."""
+    import bitnest_mlx_hook
+    from bitnest_mlx.mlx_lm_integration import plugin
+
+    assert bitnest_mlx_hook.WATCHED == plugin.WATCHED
 
 
 def test_mlx_lm_cli_generates_from_bitnest_package(package, tmp_path):
@@ -88,7 +97,7 @@ def test_mlx_lm_load_builds_bitnest_model_with_manifest_fields(mlx_lm, package):
 
 
 def test_draft_marker_returns_view_over_the_same_arrays(mlx_lm, package):
-    from bitnest_mlx.mlx_lm_plugin import DraftView
+    from bitnest_mlx.mlx_lm_integration.plugin import DraftView
 
     model, tokenizer = mlx_lm.load(package)
     draft, draft_tokenizer = mlx_lm.load(package + "#draft")
@@ -148,8 +157,8 @@ def test_prompt_cache_continues_like_a_fresh_prompt(mlx_lm, package):
 def test_mlx_lm_samplers_map_to_bitnest_sampler():
     from mlx_lm.sample_utils import make_sampler
 
-    from bitnest_mlx.mlx_lm_plugin import as_bitnest_sampler
-    from bitnest_mlx.speculative import Sampler
+    from bitnest_mlx.mlx_lm_integration.plugin import as_bitnest_sampler
+    from bitnest_mlx.runtime.speculative import Sampler
 
     assert as_bitnest_sampler(None) == Sampler()
     assert as_bitnest_sampler(make_sampler(0.0)) == Sampler()
@@ -160,7 +169,7 @@ def test_mlx_lm_samplers_map_to_bitnest_sampler():
 
 
 def test_draft_view_of_another_target_is_refused(mlx_lm, package):
-    from bitnest_mlx.mlx_lm_plugin import DraftView
+    from bitnest_mlx.mlx_lm_integration.plugin import DraftView
 
     model, tokenizer = mlx_lm.load(package)
     other, _ = bitnest_mlx.load(package)
@@ -169,7 +178,7 @@ def test_draft_view_of_another_target_is_refused(mlx_lm, package):
 
 
 def test_other_draft_models_run_mlx_lm_own_loop(mlx_lm, package, monkeypatch):
-    from bitnest_mlx.mlx_lm_plugin import patch_generate
+    from bitnest_mlx.mlx_lm_integration.plugin import patch_generate
 
     model, tokenizer = mlx_lm.load(package)
     separate, _ = bitnest_mlx.load(package, mode="draft")  # a model of its own, not a view

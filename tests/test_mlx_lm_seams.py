@@ -15,8 +15,8 @@ import mlx_lm.server as mlx_server
 import mlx_lm.utils
 import pytest
 
-from bitnest_mlx import mlx_lm_plugin
-from bitnest_mlx.cli import server, serving
+from bitnest_mlx.cli import server
+from bitnest_mlx.mlx_lm_integration import plugin, serving
 
 # `mlx_lm.generate` the attribute is the function mlx_lm/__init__ exports; this is the module.
 generate_module = importlib.import_module("mlx_lm.generate")
@@ -105,7 +105,7 @@ def test_every_patch_target_still_has_the_shape_its_patch_assumes():
 
 
 def test_every_patch_is_applied_once_mlx_lm_is_imported():
-    mlx_lm_plugin.register()
+    plugin.register()
     for fn in (
         mlx_lm.utils.load,
         mlx_lm.utils.load_model,
@@ -116,8 +116,8 @@ def test_every_patch_is_applied_once_mlx_lm_is_imported():
         mlx_server.main,
         mlx_server.ModelProvider.__init__,
     ):
-        assert mlx_lm_plugin._patched(fn), fn.__qualname__
-    assert set(mlx_lm_plugin.PATCHES) == {
+        assert plugin._patched(fn), fn.__qualname__
+    assert set(plugin.PATCHES) == {
         "mlx_lm.utils", "mlx_lm.generate", "mlx_lm.chat", "mlx_lm.server"
     }  # fmt: skip
 

@@ -41,10 +41,10 @@ from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
 import bitnest_mlx
 from bitnest_mlx.convert import write_package
-from bitnest_mlx.demo import write_tokenizer
 from bitnest_mlx.formats import bitnest
 from bitnest_mlx.layers import dual_plane, nested_kv
 from bitnest_mlx.layers.options import RunOptions
+from bitnest_mlx.runtime.demo import write_tokenizer
 
 TOL = 1e-4
 TOKENS = [3, 141, 59, 265, 35, 89, 7, 93]  # 8 positions: enough for RoPE and causality to matter

@@ -21,9 +21,9 @@ from pipeline_worker import greedy, parameter_bytes
 
 from bitnest_mlx import load
 from bitnest_mlx.cli import generate
-from bitnest_mlx.demo import demo_bundle_path
 from bitnest_mlx.layers.pipeline import PipelineStage
-from bitnest_mlx.loader import PipelineError
+from bitnest_mlx.runtime.demo import demo_bundle_path
+from bitnest_mlx.runtime.loader import PipelineError
 
 ROOT = Path(__file__).resolve().parents[1]
 # A launch takes ~25 s on an idle 2-core box; the bound turns a deadlock into a failure, with room

@@ -12,8 +12,8 @@ import pytest
 
 import bitnest_mlx
 from bitnest_mlx.cli import upload as upload_cli
-from bitnest_mlx.demo import demo_path
-from bitnest_mlx.publish import model_card
+from bitnest_mlx.cli.publish import model_card
+from bitnest_mlx.runtime.demo import demo_path
 from tests.hub_server import FakeHub
 
 
@@ -97,7 +97,7 @@ def test_convert_upload_repo_publishes_the_new_package(hub, tmp_path, capsys):
     from factory import tiny_hf
 
     from bitnest_mlx.cli import convert as convert_cli
-    from bitnest_mlx.demo import write_tokenizer
+    from bitnest_mlx.runtime.demo import write_tokenizer
 
     tiny_hf("llama").save_pretrained(tmp_path / "hf")
     write_tokenizer(tmp_path / "hf")

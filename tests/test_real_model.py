@@ -93,7 +93,7 @@ def test_smollm2_converts_from_its_gguf_at_group_64_and_its_w8_target_tracks_flo
 
     import bitnest_mlx
     from bitnest_mlx.convert import ConvertSettings, convert
-    from bitnest_mlx.evaluation import evaluate
+    from bitnest_mlx.measurement.evaluation import evaluate
 
     out = tmp_path / "pkg"
     convert(out=out, gguf=SMOLLM2, settings=ConvertSettings(method="rtn"), scratch=tmp_path)

@@ -12,10 +12,10 @@ from factory import differing_pair, edit_tensors, tiny_package
 
 import bitnest_mlx
 from bitnest_mlx.cli import eval as eval_cli
-from bitnest_mlx.evaluation import builtin_prompts, evaluate, sampled_acceptance
 from bitnest_mlx.layers.options import RunOptions
-from bitnest_mlx.sampling import acceptance_probability
-from bitnest_mlx.speed_model import (
+from bitnest_mlx.measurement.evaluation import builtin_prompts, evaluate, sampled_acceptance
+from bitnest_mlx.runtime.sampling import acceptance_probability
+from bitnest_mlx.runtime.speed_model import (
     iid_tokens_per_round,
     projected_speedup,
     speed_model,

@@ -20,8 +20,8 @@ from test_speculative import P_LOGITS, Q_LOGITS, chi2_pvalue, tokens_of
 
 import bitnest_mlx
 from bitnest_mlx.cli import generate
-from bitnest_mlx.draft_control import DraftController
-from bitnest_mlx.sampling import (
+from bitnest_mlx.runtime.draft_control import DraftController
+from bitnest_mlx.runtime.sampling import (
     ACCEPT,
     GUMBEL,
     RESAMPLE,
@@ -29,13 +29,13 @@ from bitnest_mlx.sampling import (
     SeededSampler,
     gumbel_speculative_sample,
 )
-from bitnest_mlx.speculative import (
+from bitnest_mlx.runtime.speculative import (
     SpeculativeStats,
     make_sampler,
     speculative_generate_step,
     speculative_sample,
 )
-from bitnest_mlx.speed_model import CostModel
+from bitnest_mlx.runtime.speed_model import CostModel
 
 TEMP = 0.8
 
@@ -215,7 +215,7 @@ def test_fixed_cost_controller_ignores_measured_times():
 
 
 def test_api_stream_generate_and_generate_take_a_seed():
-    from bitnest_mlx.demo import demo_path
+    from bitnest_mlx.runtime.demo import demo_path
 
     model, tokenizer = bitnest_mlx.load(demo_path())
     kw = {"max_tokens": 24, "sampler": bitnest_mlx.make_sampler(TEMP)}

@@ -17,7 +17,7 @@ from hub_server import FakeHub  # noqa: E402
 from server_process import failed_start, post, request, running_server  # noqa: E402
 
 from bitnest_mlx.cli.server import build_parser, resolved  # noqa: E402
-from bitnest_mlx.demo import demo_path  # noqa: E402
+from bitnest_mlx.runtime.demo import demo_path  # noqa: E402
 
 REQUEST = {"messages": [{"role": "user", "content": "The river"}], "max_tokens": 10}
 

@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from server_process import START_TIMEOUT, request, running_server, wait_for  # noqa: E402
 
-from bitnest_mlx.demo import demo_path  # noqa: E402
+from bitnest_mlx.runtime.demo import demo_path  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 PROMPTS = ("The river", "The mill has not turned", "Once upon", "A long time ago in the valley")

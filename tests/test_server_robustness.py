@@ -25,7 +25,7 @@ from server_process import (  # noqa: E402
     wait_for,
 )
 
-from bitnest_mlx.demo import demo_path  # noqa: E402
+from bitnest_mlx.runtime.demo import demo_path  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 PROMPTS = ("The river", "The mill has not turned")
@@ -168,7 +168,7 @@ def test_client_disconnect_mid_stream_is_one_quiet_line_and_frees_the_slot(serve
     before = log.read_text().count("went away")
     disconnect_mid_stream(url, CHAT, chat(PROMPTS[0], max_tokens=1500, temperature=0.0))
     # The handler logs this where it abandons the stream, which ends the 1500-token generation
-    # at its next token (cli/serving.py); the slot is then free for the next client.
+    # at its next token (mlx_lm_integration/serving.py); the slot is then free for the next client.
     wait_for(lambda: log.read_text().count("went away") > before, "the disconnect's log line")
     assert answer(url, good())
     assert log.read_text().count("went away") == before + 1

@@ -295,7 +295,7 @@ def test_writer_refuses_a_vector_that_is_not_positive(tmp_path):
 def test_bitnest_load_and_mlx_lm_load_apply_the_same_norm_weights(tmp_path):
     from mlx_lm import load as mlx_lm_load
 
-    from bitnest_mlx.demo import write_tokenizer
+    from bitnest_mlx.runtime.demo import write_tokenizer
 
     path = tmp_path / "pkg"
     path.mkdir()
@@ -319,7 +319,7 @@ def test_bitnest_load_and_mlx_lm_load_apply_the_same_norm_weights(tmp_path):
 @pytest.fixture(scope="module")
 def outlier_hf(tmp_path_factory):
     """A tiny HF Llama checkpoint whose embedding has outlier channels: (model, directory)."""
-    from bitnest_mlx.demo import write_tokenizer
+    from bitnest_mlx.runtime.demo import write_tokenizer
 
     model = tiny_hf("llama")
     with torch.no_grad():

@@ -11,9 +11,9 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
 import bitnest_mlx
-from bitnest_mlx.demo import demo_path
-from bitnest_mlx.draft_control import DraftController
-from bitnest_mlx.speculative import (
+from bitnest_mlx.runtime.demo import demo_path
+from bitnest_mlx.runtime.draft_control import DraftController
+from bitnest_mlx.runtime.speculative import (
     Sampler,
     SpeculativeStats,
     commit,

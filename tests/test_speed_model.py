@@ -7,10 +7,11 @@ import json
 
 import pytest
 
-from bitnest_mlx.chips import GPUS, family, gpu
 from bitnest_mlx.cli import bench
-from bitnest_mlx.draft_control import DraftController, Plan
-from bitnest_mlx.speed_model import (
+from bitnest_mlx.measurement.workloads import WORKLOADS, load_workload
+from bitnest_mlx.runtime.chips import GPUS, family, gpu
+from bitnest_mlx.runtime.draft_control import DraftController, Plan
+from bitnest_mlx.runtime.speed_model import (
     KERNEL_CYCLES,
     KV8_CYCLES,
     KV8_STREAM_BYTES,
@@ -19,7 +20,6 @@ from bitnest_mlx.speed_model import (
     rounds_speedup,
     verify_cost,
 )
-from bitnest_mlx.workloads import WORKLOADS, load_workload
 
 ROWS = range(1, 21)
 

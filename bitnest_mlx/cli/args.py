@@ -157,7 +157,7 @@ def add_draft_kv(p: argparse.ArgumentParser) -> None:
 
 def add_draft_source(p: argparse.ArgumentParser) -> None:
     """--draft-source and --ngram-tokens, the same on every command that speculates."""
-    from ..draft_control import DRAFT_SOURCES
+    from ..runtime.draft_control import DRAFT_SOURCES
 
     p.add_argument(
         "--draft-source",

@@ -19,17 +19,27 @@ import mlx.nn as nn
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
-from .. import dsv4_bench, kernels, speculative
-from ..chips import achieved_bandwidth, chip_peak
-from ..demo import DEMO, resolve_model
+from .. import kernels
 from ..hub import resolve
-from ..loader import LOAD_ERRORS, load, supports_draft
-from ..roofline import CHIPS as CHIPS  # re-exported: the bench's face of the roofline
-from ..roofline import resolve_draft_kv, roofline
-from ..sampling import make_sampler
-from ..speed_model import verify_table
-from ..workloads import cost_models
-from . import bench_workloads, kernel_costs, speed_projection
+from ..measurement import dsv4_bench
+from ..measurement.bench_measure import (
+    bench_prompt,
+    best_of,
+    measure_generation,
+    measure_prefill,
+    mlx_lm_peer,
+)
+from ..measurement.roofline import CHIPS as CHIPS  # re-exported: the bench's face of the roofline
+from ..measurement.roofline import roofline
+from ..measurement.workloads import cost_models
+from ..runtime import speculative
+from ..runtime.chips import achieved_bandwidth, chip_peak
+from ..runtime.demo import DEMO, resolve_model
+from ..runtime.draft_kv import resolve_draft_kv
+from ..runtime.loader import LOAD_ERRORS, load, supports_draft
+from ..runtime.sampling import make_sampler
+from ..runtime.speed_model import verify_table
+from . import bench_modes
 from .args import (
     Parser,
     add_draft_kv,
@@ -42,7 +52,6 @@ from .args import (
     positive_int,
     refuse,
 )
-from .bench_measure import bench_prompt, best_of, measure_generation, measure_prefill, mlx_lm_peer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,8 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of a model: each Metal kernel's operation counts (CPU emulator; needs g++ "
         "and clang) as estimated cycles per weight against Apple GPUs' bandwidth budgets",
     )
-    speed_projection.add_arguments(p)
-    bench_workloads.add_arguments(p)
+    bench_modes.add_arguments(p)
     return p
 
 
@@ -284,7 +292,7 @@ def run_single_precision(
     """Models with one precision (DeepSeek-V4 MXTQ bundles): prefill and decode tok/s, peak
     RSS of load + one decode step (`memory`), weight bytes per token, the expert store's hit
     rate and disk bytes per token, a per-part decode timing and (unless --no-mlx-lm) the
-    routed experts beside mlx-lm's SwitchGLU (bitnest_mlx/dsv4_bench.py)."""
+    routed experts beside mlx-lm's SwitchGLU (bitnest_mlx/measurement/dsv4_bench.py)."""
     n, rep = args.gen_tokens, args.repeats
     sampler = mlx_lm_make_sampler(args.temp)
     pp = best_of(lambda: measure_prefill(model, prompt), rep, "tps")
@@ -369,12 +377,12 @@ def report(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.kernels:
-        return kernel_costs.main(args.json)
+        return bench_modes.kernels(args.json)
     if args.speed_model:
-        return speed_projection.main(args.model, args.acceptance, args.json)
+        return bench_modes.speed_model(args.model, args.acceptance, args.json)
 
     if args.workloads is not None:
-        return bench_workloads.main(args)
+        return bench_modes.workloads(args)
     try:
         result = run(args)
     except LOAD_ERRORS as e:  # --model could not be fetched or read

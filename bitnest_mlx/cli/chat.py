@@ -16,11 +16,11 @@ import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 
-from .. import speculative
-from ..demo import DEMO, resolve_model
-from ..loader import LOAD_ERRORS, load
-from ..sampling import SeededSampler
-from ..sampling import make_sampler as bitnest_make_sampler
+from ..runtime import speculative
+from ..runtime.demo import DEMO, resolve_model
+from ..runtime.loader import LOAD_ERRORS, load
+from ..runtime.sampling import SeededSampler
+from ..runtime.sampling import make_sampler as bitnest_make_sampler
 from .args import (
     Parser,
     add_chat_template_config,

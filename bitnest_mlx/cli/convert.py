@@ -304,7 +304,7 @@ def publish(args: argparse.Namespace) -> int:
     """--upload-repo: the package just written goes to the Hub with its model card."""
     from huggingface_hub.errors import HfHubHTTPError
 
-    from ..publish import PublishError, upload
+    from .publish import PublishError, upload
 
     try:
         url = upload(args.out, args.upload_repo)

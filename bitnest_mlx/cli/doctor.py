@@ -29,11 +29,12 @@ from dataclasses import replace
 
 import mlx.core as mx
 
-from .. import kernels, speculative
-from ..chips import chip_peak
-from ..demo import demo_path
-from ..loader import load
-from ..sampling import make_sampler
+from .. import kernels
+from ..runtime import speculative
+from ..runtime.chips import chip_peak
+from ..runtime.demo import demo_path
+from ..runtime.loader import load
+from ..runtime.sampling import make_sampler
 from .args import positive_int
 from .blas import INSTALL
 from .blas import status as openblas_status

@@ -11,10 +11,10 @@ import time
 
 import mlx.core as mx
 
-from ..chips import gpu
 from ..layers.dual_plane import random_linear
 from ..layers.options import RunOptions
-from ..speed_model import verify_cost
+from ..runtime.chips import gpu
+from ..runtime.speed_model import verify_cost
 
 ROWS = (1, 2, 4, 8, 16)
 SHAPE = (3072, 8192, 64)  # K, N, weight group

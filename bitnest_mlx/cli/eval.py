@@ -8,10 +8,10 @@ import json
 import sys
 from pathlib import Path
 
-from ..demo import DEMO, resolve_model
-from ..evaluation import GAMMAS, GEN_TOKENS, MODES, SAMPLING, evaluate
-from ..loader import LOAD_ERRORS, load
-from ..sampling import RULES, make_sampler
+from ..measurement.evaluation import GAMMAS, GEN_TOKENS, MODES, SAMPLING, evaluate
+from ..runtime.demo import DEMO, resolve_model
+from ..runtime.loader import LOAD_ERRORS, load
+from ..runtime.sampling import RULES, make_sampler
 from .args import (
     Parser,
     add_draft_kv,

@@ -13,15 +13,15 @@ import mlx.nn as nn
 from mlx_lm.generate import stream_generate
 from tqdm import tqdm
 
-from .. import speculative
-from ..demo import DEMO, resolve_model
-from ..draftless import NoDraftError, draft_source_for
 from ..layers.cache_files import PromptCacheError, check_fits, load_prompt_cache
 from ..layers.draft_vocab import draft_tokens
-from ..loader import LOAD_ERRORS, load
-from ..roofline import resolve_draft_kv
-from ..sampling import SeededSampler
-from ..sampling import make_sampler as bitnest_make_sampler
+from ..runtime import speculative
+from ..runtime.demo import DEMO, resolve_model
+from ..runtime.draft_kv import resolve_draft_kv
+from ..runtime.draftless import NoDraftError, draft_source_for
+from ..runtime.loader import LOAD_ERRORS, load
+from ..runtime.sampling import SeededSampler
+from ..runtime.sampling import make_sampler as bitnest_make_sampler
 from .args import default_mode, refuse
 from .generate_args import build_parser
 

@@ -18,7 +18,7 @@ The same server as `python -m mlx_lm server` (all its flags; see docs/server.md)
   checks every file against the checksums its writer recorded first (as `bitnest-verify`);
 * one startup line (model, format, mode, speculation, kernels, context), `/v1/models` without a
   Hugging Face cache, quiet client disconnects, and a 4xx OpenAI-shaped error for a bad request
-  (`bitnest_mlx.cli.serving`).
+  (`bitnest_mlx.mlx_lm_integration.serving`).
 
 mlx-lm builds its parser inside `mlx_lm.server.main`, so there is no parser to extend: ours
 declares the same flags (names, types, defaults; tests/test_mlx_lm_seams.py compares them with the
@@ -31,11 +31,11 @@ import argparse
 import json
 import sys
 
-from ..demo import resolve_model
 from ..formats import detect
 from ..hub import HubError, resolve
-from ..loader import LOAD_ERRORS, supports_draft, verify_path
-from ..mlx_lm_plugin import DRAFT_SUFFIX, register
+from ..mlx_lm_integration.plugin import DRAFT_SUFFIX, register
+from ..runtime.demo import resolve_model
+from ..runtime.loader import LOAD_ERRORS, supports_draft, verify_path
 from .args import add_draft_source, default_mode, refuse
 
 OURS = ("target_only", "verify", "draft_source", "ngram_tokens", "mode")  # not mlx-lm's flags
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if why := refusal(args):
         return refuse(why)
     register()
-    from . import serving
+    from ..mlx_lm_integration import serving
 
     try:
         serving.serve(args, aliases=(given.model,))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..publish import PublishError, read_evals, upload
 from .args import Parser, refuse
+from .publish import PublishError, read_evals, upload
 
 
 def build_parser() -> argparse.ArgumentParser:

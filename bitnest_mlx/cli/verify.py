@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import sys
 
-from ..demo import DEMO, resolve_model
 from ..hub import resolve
-from ..loader import LOAD_ERRORS, verify_path
+from ..runtime.demo import DEMO, resolve_model
+from ..runtime.loader import LOAD_ERRORS, verify_path
 from .args import Parser, refuse
 
 

@@ -19,10 +19,11 @@ from importlib import resources
 import mlx.core as mx
 import mlx.nn as nn
 
-from .roofline import kv_bytes, roofline
-from .sampling import Sampler
-from .speculative import SpeculativeStats, speculative_generate_step
-from .speed_model import DEFAULT_CHIP, PATHS, CostModel
+from ..runtime.sampling import Sampler
+from ..runtime.speculative import SpeculativeStats, speculative_generate_step
+from ..runtime.speed_model import DEFAULT_CHIP, PATHS, CostModel
+from ..runtime.token_bytes import kv_bytes
+from .roofline import roofline
 
 WORKLOADS = ("code_edit", "passage_qa", "chat", "free")
 # What drafts, by the names of the report: the W4 chain alone, the per-round choice among

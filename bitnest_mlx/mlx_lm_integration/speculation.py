@@ -1,6 +1,6 @@
 """mlx-lm's speculative generator contract (`speculative_generate_step`) for a bitnest target
-and its `PATH#draft` view, run by bitnest's shared-cache loop (`mlx_lm_plugin.patch_generate`
-puts it in place). Nothing here imports mlx_lm at module level (see `mlx_lm_plugin`)."""
+and its `PATH#draft` view, run by bitnest's shared-cache loop (`plugin.patch_generate`
+puts it in place). Nothing here imports mlx_lm at module level (see `plugin`)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def shared_cache_steps(
     **_kv_quantization,  # kv_bits & co: the nested cache is its own KV quantization
 ):
     """mlx-lm's speculative generator contract, run by bitnest's shared-cache loop."""
-    from . import speculative
+    from ..runtime import speculative
 
     if draft_model.target is not model:
         raise ValueError(f"a {DRAFT_SUFFIX} model can only draft for its own target")
@@ -135,7 +135,7 @@ def as_bitnest_sampler(sampler):
     """
     from mlx_lm.sample_utils import greedy_sampler
 
-    from .sampling import Sampler
+    from ..runtime.sampling import Sampler
 
     if sampler is None or sampler is greedy_sampler:
         return Sampler()

@@ -12,56 +12,21 @@ Nothing here is measured on a Mac.
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
 
-from ..chips import PEAK_GBS
 from ..convert.defaults import DEFAULT_GROUP_SIZE
 from ..formats.bitnest import choose_group_size, is_package, linear_shapes
 from ..formats.bitnest.reader import read_spec
 from ..formats.bitnest.spec import PackageSpec
 from ..formats.bitnest.writer import PackageWriter
-from ..roofline import roofline
-from ..speed_model import CostModel, best_iid_speedup
+from ..runtime.chips import PEAK_GBS
+from ..runtime.speed_model import CostModel, best_iid_speedup
+from .roofline import roofline
 
 CHIPS = ("M1", "M2 Pro", "M3 Max", "M4 Max")
 CONTEXT = 1024  # KV tokens the projection reads per step (a chat turn's worth)
-
-
-def acceptance_pair(value: str) -> tuple[int | str, float]:
-    """`K=α` (K a number of draft tokens, 'full' or 'package': as the package stores it; α in
-    (0, 1))."""
-    k, _, alpha = value.partition("=")
-    try:
-        size = k if k in ("full", "package") else int(k)
-        a = float(alpha)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected K=alpha, e.g. full=0.80") from None
-    if not 0 < a < 1 or (isinstance(size, int) and size < 1):
-        raise argparse.ArgumentTypeError(f"{value!r}: K >= 1, 'full' or 'package'; 0 < alpha < 1")
-    return size, a
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """bench's flags of this mode."""
-    p.add_argument(
-        "--speed-model",
-        action="store_true",
-        help="instead of running: --model's bytes per token (a package, or the package convert's "
-        "defaults would write from a Hugging Face checkpoint's config.json; no weight is read) "
-        "and the projected target-only and speculative tok/s on M1 / M2 Pro / M3 Max / M4 Max",
-    )
-    p.add_argument(
-        "--acceptance",
-        type=acceptance_pair,
-        nargs="+",
-        metavar="K=ALPHA",
-        help="--speed-model: draft acceptance α (Σmin(p, q) per drafted token, e.g. from the "
-        "real-model page) at draft vocabulary K (a token count, 'full', or 'package': as the "
-        "package stores it, the one row without this flag); one row per pair",
-    )
 
 
 def default_spec(checkpoint: Path) -> PackageSpec:
@@ -145,10 +110,3 @@ def report(result: dict) -> str:
                 f"  {chip} ({c['bandwidth_gbs']} GB/s): target {c['target_tps']:.1f}{tail}"
             )
     return "\n".join(lines)
-
-
-def main(model: str, acceptance: list[tuple[int | str, float]] | None, as_json: bool) -> int:
-    sizes: dict[int | str, float | None] = dict(acceptance or [("package", None)])
-    result = project(Path(model), sizes)
-    print(json.dumps(result, indent=2) if as_json else report(result))
-    return 0

@@ -7,10 +7,9 @@ Nothing here runs on a GPU: speeds are estimated from operation counts and publi
 
 from __future__ import annotations
 
-import json
 import shutil
 
-from ..chips import GPUS, Chip
+from ..runtime.chips import GPUS, Chip
 
 
 def missing_tools() -> list[str]:
@@ -54,17 +53,3 @@ def report(rows: list[dict], chips: tuple[str, ...] = ("M1", "M4 Max")) -> str:
             line += f" {e['budget']:>14.2f} {e['roofline']:>5.0%}"
         lines.append(line)
     return "\n".join(lines)
-
-
-def main(as_json: bool = False) -> int:
-    missing = missing_tools()
-    if missing:
-        print(
-            "bench --kernels counts operations in the CPU emulator, which needs a C++ compiler: "
-            f"{', '.join(missing)} not found (install g++ and clang, or set BITNEST_EMU_CXX / "
-            "BITNEST_EMU_CLANG)"
-        )
-        return 2
-    rows = run()
-    print(json.dumps(rows, indent=2) if as_json else report(rows))
-    return 0

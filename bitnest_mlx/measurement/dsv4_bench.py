@@ -28,11 +28,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .formats import dsv4_bundle
-from .layers.expert_store import tensor_ranges
-from .layers.mxtq_linear import MXTQSwitchLinear, routed_glu
-from .models import deepseek_v4 as dsv4_model
-from .models import deepseek_v4_attention as dsv4_attention
+from ..formats import dsv4_bundle
+from ..layers.expert_store import tensor_ranges
+from ..layers.mxtq_linear import MXTQSwitchLinear, routed_glu
+from ..models import deepseek_v4 as dsv4_model
+from ..models import deepseek_v4_attention as dsv4_attention
 
 
 def peak_rss_bytes() -> int:
@@ -65,7 +65,7 @@ def bundle_bytes(path: str | Path) -> dict:
 
 def _probe(path: str, max_expert_memory: float | None) -> None:
     """The child of `memory_probe`: load, one decode step, print peak RSS as JSON."""
-    from .loader import load
+    from ..runtime.loader import load
 
     before = peak_rss_bytes()
     model, _ = load(path, max_expert_memory=max_expert_memory)
@@ -87,7 +87,8 @@ def memory_probe(path: str | Path, max_expert_memory: float | None = None) -> di
     this process's one-line BundleError rather than a failed child."""
     dsv4_bundle.read(path)
     code = (
-        f"from bitnest_mlx.dsv4_bench import _probe; _probe({str(path)!r}, {max_expert_memory!r})"
+        "from bitnest_mlx.measurement.dsv4_bench import _probe; "
+        f"_probe({str(path)!r}, {max_expert_memory!r})"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True

@@ -2,7 +2,7 @@
 
 `load_model` reads a bundle (formats/dsv4_bundle.py, strict) and hands its tensors to the model,
 which maps them itself (`Model.quantize_as` + `Model.sanitize`, models/deepseek_v4_weights.py,
-as mlx-lm models do in `sanitize`); the weights load strictly. `python -m bitnest_mlx.dsv4
+as mlx-lm models do in `sanitize`); the weights load strictly. `python -m bitnest_mlx.runtime.dsv4
 make-bundle` writes a synthetic bundle (formats/dsv4_synthetic.py). The tiny demo bundle and
 random weights are in demo.py.
 """
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .formats import dsv4_bundle, safetensors_io
-from .formats.dsv4_bundle import BundleError
-from .models.deepseek_v4 import Model, ModelArgs
+from ..formats import dsv4_bundle, safetensors_io
+from ..formats.dsv4_bundle import BundleError
+from ..models.deepseek_v4 import Model, ModelArgs
 
 
 def load_model(
@@ -66,7 +66,7 @@ def bundle_tokenizer(path: str | Path, config: dict | None = None):
 
 def build_parser() -> argparse.ArgumentParser:
     """`make-bundle`'s parser (see `main`)."""
-    p = argparse.ArgumentParser(prog="python -m bitnest_mlx.dsv4")
+    p = argparse.ArgumentParser(prog="python -m bitnest_mlx.runtime.dsv4")
     sub = p.add_subparsers(dest="command", required=True)
     make = sub.add_parser(
         "make-bundle",
@@ -88,9 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m bitnest_mlx.dsv4 make-bundle --layers N --out DIR [--tiny]`: a synthetic
+    """`python -m bitnest_mlx.runtime.dsv4 make-bundle --layers N --out DIR [--tiny]`: a synthetic
     bundle at DeepSeek-V4-Flash's per-layer dimensions (formats/dsv4_synthetic.py)."""
-    from .formats import dsv4_synthetic
+    from ..formats import dsv4_synthetic
 
     p = build_parser()
     args = p.parse_args(argv)

@@ -27,15 +27,16 @@ import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from ..layers.draft_vocab import DraftVocabJoin
+from ..layers.options import RunOptions
 from . import draftless
 from .draft_control import DRAFT_SOURCES, DraftController, Plan
-from .layers.draft_vocab import DraftVocabJoin
-from .layers.options import RunOptions
+from .draft_kv import draft_kv_policy
 from .prompt_lookup import PromptLookup
-from .roofline import draft_kv_policy, weight_bytes
 from .sampling import RULES, PositionNoise, Sampler, make_sampler, speculative_sample
 from .sampling import gumbel_speculative_sample as coupled_sample
 from .speed_model import CostModel, Round, rounds_speedup
+from .token_bytes import weight_bytes
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
@@ -223,7 +224,7 @@ def speculative_generate_step(
     never chooses a target-only step, forcing speculation; `adaptive=False` always drafts
     `num_draft_tokens` (or the whole n-gram copy); `parity=True` see `verify`. `options`
     (RunOptions; its mode is set per call) default to the model's own. `draft_kv`: the KV the
-    draft reads, 4, 8 or "auto" (decided each round from the cache length, `roofline`).
+    draft reads, 4, 8 or "auto" (decided each round from the cache length, `draft_kv`).
     `max_tokens < 0` means no limit.
 
     `draft_source`: "model" (the W4 draft's chain), "ngram" (copies of up to `ngram_tokens`

@@ -25,12 +25,12 @@ import mlx.core as mx
 import mlx_lm.server as mlx_server
 import mlx_lm.utils as mlx_utils
 
+from ..cli.args import one_line
 from ..formats import detect
-from ..loader import LOAD_ERRORS, uses_kernels
-from ..mlx_lm_speculation import DraftView
-from .args import one_line
+from ..runtime.loader import LOAD_ERRORS, uses_kernels
 from .serving_batch import Generator, PromptCache
 from .serving_requests import DISCONNECTS, Handler, RequestError
+from .speculation import DraftView
 
 __all__ = ["Generator", "Handler", "LoadFailed", "Provider", "RequestError", "serve"]
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..formats import bitnest, detect, dsv4_bundle, safetensors_io
+from ..hub import HubError, resolve
+from ..layers.options import RunOptions, at_load
+from ..layers.pipeline import PipelineError
 from .demo import resolve_model
-from .formats import bitnest, detect, dsv4_bundle, safetensors_io
-from .hub import HubError, resolve
-from .layers.options import RunOptions, at_load
-from .layers.pipeline import PipelineError
 
 # Any of these makes a directory loadable by AutoTokenizer.
 TOKENIZER_DEFINING = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
@@ -62,13 +62,13 @@ def tokenizer_config():
 
 
 def _bitnest_class() -> type[nn.Module]:
-    from .models.bitnest_llama import Model
+    from ..models.bitnest_llama import Model
 
     return Model
 
 
 def _bitnest_model(path: Path, dtype: mx.Dtype | None) -> nn.Module:
-    from .models.bitnest_llama import Model, ModelArgs
+    from ..models.bitnest_llama import Model, ModelArgs
 
     package = bitnest.read(path)
     model = Model(ModelArgs.from_spec(package.spec))
@@ -110,7 +110,7 @@ def _bitnest_tokenizer(path: Path):
 
 
 def _dsv4_class() -> type[nn.Module]:
-    from .models.deepseek_v4 import Model
+    from ..models.deepseek_v4 import Model
 
     return Model
 

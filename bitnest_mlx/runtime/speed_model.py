@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ..kernels.dual_plane import MAX_M
 from .chips import family as chip_family
 from .chips import gpu
-from .kernels.dual_plane import MAX_M
 
 PATHS = ("kernel", "pure")
 DEFAULT_CHIP = "M4 Max"  # the chip the projections and the seeded controller assume

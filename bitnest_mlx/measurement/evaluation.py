@@ -9,12 +9,13 @@ from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
-from .layers.draft_vocab import draft_tokens, restrict_logits
-from .layers.options import DRAFT_KV, RunOptions
-from .roofline import model_kv8_limit, resolve_draft_kv, roofline
-from .sampling import Sampler, acceptance_probability
-from .speculative import SpeculativeStats, speculative_generate_step
-from .speed_model import speed_model, verify_table
+from ..layers.draft_vocab import draft_tokens, restrict_logits
+from ..layers.options import DRAFT_KV, RunOptions
+from ..runtime.draft_kv import model_kv8_limit, resolve_draft_kv
+from ..runtime.sampling import Sampler, acceptance_probability
+from ..runtime.speculative import SpeculativeStats, speculative_generate_step
+from ..runtime.speed_model import speed_model, verify_table
+from .roofline import roofline
 from .workloads import run_prompts, speculate
 
 MODES = ("draft", "target", "float")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layers.options import RunOptions
+from ..layers.options import RunOptions
 from .speed_model import DEFAULT_CHIP, DSV4_FLASH, CostModel
 
 

@@ -25,9 +25,9 @@ from typing import Any
 import mlx_lm.server as mlx_server
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
-from ..mlx_lm_speculation import DraftView
-from .args import one_line
+from ..cli.args import one_line
 from .serving_requests import RequestError
+from .speculation import DraftView
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@ imports one of these modules, so any process sees bitnest models without importi
 
 * `mlx_lm.models.bitnest` / `mlx_lm.models.deepseek_v4`: made from our model classes.
 * `mlx_lm.utils` (patched right after it runs): `load_model` builds our formats with
-  `bitnest_mlx.loader` (the same validated model `bitnest_mlx.load` gives);
+  `bitnest_mlx.runtime.loader` (the same validated model `bitnest_mlx.load` gives);
   `load_tokenizer` keeps transformers off the package's config.json; `load`
   understands `PATH#draft`: the draft reading (W4/KV4) of the bitnest target loaded from PATH,
   over the same arrays.
@@ -26,7 +26,7 @@ transformers.
 without the hook, patching mlx-lm modules that are already imported.
 
 This module is the only place that changes mlx-lm at run time (bitnest-server composes mlx-lm's
-server classes instead: cli/serving.py). Each patch says why mlx-lm offers no seam for it, and
+server classes instead: serving.py). Each patch says why mlx-lm offers no seam for it, and
 tests/test_mlx_lm_seams.py fails when an mlx-lm upgrade moves what a patch relies on.
 """
 
@@ -37,14 +37,14 @@ import importlib.util
 import sys
 import weakref
 from collections.abc import Callable
-from importlib.abc import Loader
+from importlib.abc import Loader, MetaPathFinder
 from importlib.machinery import ModuleSpec, PathFinder
 from pathlib import Path
 from types import ModuleType
 
-from .formats import detect
-from .formats.safetensors_io import read_json
-from .mlx_lm_speculation import (  # noqa: F401  (DraftView, as_bitnest_sampler: public here)
+from ..formats import detect
+from ..formats.safetensors_io import read_json
+from .speculation import (  # noqa: F401  (DraftView, as_bitnest_sampler: public here)
     DRAFT_SUFFIX,
     DraftView,
     as_bitnest_sampler,
@@ -59,8 +59,8 @@ from .mlx_lm_speculation import (  # noqa: F401  (DraftView, as_bitnest_sampler:
 @functools.cache
 def _bitnest_classes() -> tuple[type, type]:
     """(Model, ModelArgs) of `mlx_lm.models.bitnest`: the bitnest model in `default_dtype()`."""
-    from .loader import default_dtype
-    from .models import bitnest_llama
+    from ..models import bitnest_llama
+    from ..runtime.loader import default_dtype
 
     _register_cache()
 
@@ -79,7 +79,7 @@ def _register_cache() -> None:
     # `globals()`, with no registry to add a class to, so ours must be a name there.
     import mlx_lm.models.cache
 
-    from .layers.nested_kv import NestedKVCache
+    from ..layers.nested_kv import NestedKVCache
 
     mlx_lm.models.cache.NestedKVCache = NestedKVCache
 
@@ -123,13 +123,13 @@ class _ModelModule(Loader):
         if module.__name__.endswith(".bitnest"):
             module.Model, module.ModelArgs = _bitnest_classes()
         else:
-            from .models import deepseek_v4
+            from ..models import deepseek_v4
 
             module.Model, module.ModelArgs = deepseek_v4.Model, deepseek_v4.ModelArgs
 
 
 def find_spec(fullname: str, path=None, target=None) -> ModuleSpec | None:
-    """The spec for one of bitnest_mlx_hook.WATCHED (see the module docstring)."""
+    """The spec for one of `WATCHED` (see the module docstring)."""
     if fullname.startswith("mlx_lm.models."):
         return importlib.util.spec_from_loader(fullname, _ModelModule())
     spec = PathFinder.find_spec(fullname, path, target)
@@ -138,11 +138,19 @@ def find_spec(fullname: str, path=None, target=None) -> ModuleSpec | None:
     return spec
 
 
+class BitnestFinder(MetaPathFinder):
+    """The startup hook's finder (bitnest_mlx_hook.BitnestFinder: the same name, so either is
+    installed once) for a process started without it: the hook hands over to this module, so
+    this module does not import the hook."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        return find_spec(fullname, path, target) if fullname in WATCHED else None
+
+
 def register() -> None:
     """Make mlx-lm see bitnest models in this process (what the .pth hook does at startup)."""
-    import bitnest_mlx_hook
-
-    bitnest_mlx_hook.install()
+    if not any(type(f).__name__ == "BitnestFinder" for f in sys.meta_path):
+        sys.meta_path.insert(0, BitnestFinder())
     utils = sys.modules.get("mlx_lm.utils")
     if utils is not None and not _patched(utils.load):
         original = utils.load
@@ -188,8 +196,8 @@ def _local_format(path) -> str | None:
 
 
 def _format_error(fmt: str) -> type[Exception]:
-    from .formats.bitnest import PackageError
-    from .formats.dsv4_bundle import BundleError
+    from ..formats.bitnest import PackageError
+    from ..formats.dsv4_bundle import BundleError
 
     return BundleError if fmt == "dsv4" else PackageError
 
@@ -226,7 +234,7 @@ def _load_model(utils: ModuleType, orig_load_model: Callable) -> Callable:
         fmt = _local_format(model_path)
         if fmt is None:
             return orig_load_model(model_path, lazy, strict, model_config, *args, **kwargs)
-        from .loader import load_model as load_ours
+        from ..runtime.loader import load_model as load_ours
 
         if not (Path(model_path) / "config.json").is_file():
             raise _format_error(fmt)(
@@ -252,7 +260,7 @@ def _load_tokenizer(orig_load_tokenizer: Callable) -> Callable:
         if fmt is not None:
             # transformers cannot parse these config.json files (unknown model_type, llama3
             # rope scaling); an empty config stops AutoTokenizer from reading it.
-            from .loader import (
+            from ..runtime.loader import (
                 TOKENIZER_DEFINING,
                 checked_tokenizer,
                 has_tokenizer,
@@ -374,8 +382,8 @@ def one_line_errors(main):
     @_mark
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
-        from .cli.args import refuse
-        from .loader import LOAD_ERRORS
+        from ..cli.args import refuse
+        from ..runtime.loader import LOAD_ERRORS
 
         try:
             return main(*args, **kwargs)
@@ -391,3 +399,5 @@ PATCHES = {  # module name -> what runs right after mlx-lm's module itself
     "mlx_lm.chat": patch_chat,
     "mlx_lm.server": patch_server,
 }
+# What the finders act on (bitnest_mlx_hook.WATCHED is the same set: the hook imports nothing).
+WATCHED = frozenset((*PATCHES, "mlx_lm.models.bitnest", "mlx_lm.models.deepseek_v4"))

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .formats import dsv4_bundle, dsv4_bundle_write
-from .formats.dsv4_bundle import Slot
-from .formats.dsv4_synthetic import TINY_CONFIG
+from ..formats import dsv4_bundle, dsv4_bundle_write
+from ..formats.dsv4_bundle import Slot
+from ..formats.dsv4_synthetic import TINY_CONFIG
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -71,7 +71,7 @@ def cached_build(name: str, build: Callable[[Path], None]) -> Path:
     """`cache_dir()/name`, built once by `build(tmp)` in a hidden sibling and renamed into place
     (convert.output.atomic_directory), so a crashed or concurrent build never leaves a
     half-written directory that a later run would use."""
-    from .convert.output import OutputError, atomic_directory
+    from ..convert.output import OutputError, atomic_directory
 
     target = cache_dir() / name
     if target.is_dir():
@@ -86,7 +86,7 @@ def cached_build(name: str, build: Callable[[Path], None]) -> Path:
 
 
 # Where examples/train_demo.py writes the trained demo; setup.py ships it as package data.
-SHIPPED_DEMO = Path(__file__).resolve().parent / "demo_model"
+SHIPPED_DEMO = Path(__file__).resolve().parents[1] / "demo_model"  # bitnest_mlx/demo_model
 
 
 def demo_path() -> Path:

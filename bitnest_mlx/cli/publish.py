@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .formats import detect
+from ..formats import detect
 
 MANIFEST = "bitnest.json"
 

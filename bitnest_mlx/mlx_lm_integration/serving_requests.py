@@ -25,7 +25,7 @@ from typing import Any
 
 import mlx_lm.server as mlx_server
 
-from .args import one_line
+from ..cli.args import one_line
 
 MAX_BODY_BYTES = 64 << 20  # a request body larger than this is refused unread (413)
 DISCONNECTS = (ConnectionError, TimeoutError)  # BrokenPipe, ConnectionReset, ConnectionAborted
