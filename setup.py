@@ -92,6 +92,14 @@ setup(
         "convert": ["gguf", "transformers>=5"],
         # transformers pinned: the DeepSeek-V4 parity tests compare against its deepseek_v4
         # (absent from earlier 5.x), on the version they were measured with.
-        "test": ["pytest", "transformers==5.25.0", "torch==2.13.0", "ruff", "jang==2.5.50", "gguf"],
+        "test": [
+            "pytest",
+            "pytest-xdist",
+            "transformers==5.25.0",
+            "torch==2.13.0",
+            "ruff",
+            "jang==2.5.50",
+            "gguf",
+        ],
     },
 )

@@ -4,7 +4,7 @@ to it at run time (`DraftVocabJoin`) gives back: a teacher-forced proxy.
     python examples/draft_vocab_join.py --model PACKAGE [--workloads NAME ...] [--tokens 128]
     python examples/draft_vocab_join.py --model PACKAGE --loop T [--workloads ...] [--tokens 256]
 
-For each workload prompt (`bitnest_mlx.workloads`), the target's greedy continuation of
+For each workload prompt (`bitnest_mlx.measurement.workloads`), the target's greedy continuation of
 `--tokens` tokens (the speculative loop, seeded: its text is target-only decoding's), then one
 teacher-forced target pass and one full-vocabulary draft pass (W4, KV8 as `--draft-kv auto`
 reads at these lengths; dense weights) over prompt + continuation. At each generated position
@@ -20,11 +20,12 @@ Approximations: the draft reads its own teacher-forced KV, not the target-writte
 real loop, and the text is the greedy one (at T 0.7 the loop's text is sampled).
 
 `--loop T`: the real loop instead (`workloads.run_prompts`, as `bench --workloads` at
-temperature T, `chain+ngram`, seed 0), with the join off and on, on one text: prefill passes
-multiply dense weights (fast on a CPU) and decode passes the quantized planes, whose rows are
-bit-identical whatever the rows of a pass, so both runs emit the seeded target-only text token
-for token (`bench --dense-weights` rounds differently at each pass width, and a near tie can
-send the two runs down different texts).
+temperature T, `chain+ngram`, seed 0, dense weights), with the join off and on, on one text:
+verification runs one row per call (`parity=True`), so every target row is computed exactly as
+target-only decoding computes it and both runs emit the seeded target-only text token for token.
+Without it the two runs part at near ties: with OpenBLAS preloaded a verify pass's attention
+rounds a row differently from a one-row pass (docs/speculative.md, "Greedy parity and
+multi-row numerics"), and the join changes how many rows each pass verifies.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ VARIANTS = ("full", "K", "K+join")
 SAMPLED = Sampler(temp=0.7, top_p=0.95)
 TARGET = RunOptions(dense_min_rows=1)
 DRAFT = RunOptions(mode="draft", draft_kv=8, draft_vocab=False, dense_min_rows=1)
-EXACT = RunOptions(dense_min_rows=64)  # `--loop`: dense prefill, quantized (exact) decoding
 
 
 def continuation(model, ids: list[int], tokens: int, eos: tuple[int, ...]) -> list[int]:
@@ -150,8 +150,8 @@ def loop(model, tokenizer, name: str, temp: float, tokens: int) -> dict:
     for join in (False, True):
         key = "on" if join else "off"
         merged, per = run_prompts(
-            model, prompts, tokens, sampler, 0, "auto", eos_token_ids=eos, options=EXACT,
-            draft_vocab_join=join,
+            model, prompts, tokens, sampler, 0, "auto", eos_token_ids=eos, options=TARGET,
+            draft_vocab_join=join, parity=True,
         )  # fmt: skip
         texts[key] = [per[p]["tokens"] for p in prompts]
         rounds = merged.round_log
@@ -186,12 +186,12 @@ def main() -> None:
     model, tokenizer = bitnest_mlx.load(args.model)
     if model.draft_head is None:
         raise SystemExit(f"{args.model}: the draft scores every id; nothing to join")
+    keep_dense(model)  # a CPU multiplies every row of a pass for about the cost of one
     if args.loop is not None:
         results = {n: loop(model, tokenizer, n, args.loop, args.tokens) for n in args.workloads}
         if args.out:
             args.out.write_text(json.dumps(results, indent=1))
         return
-    keep_dense(model)  # a CPU multiplies every row of a pass for about the cost of one
     results = {name: workload(model, tokenizer, name, args.tokens) for name in args.workloads}
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

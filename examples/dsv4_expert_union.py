@@ -12,7 +12,7 @@ The commands behind docs/speculative.md ("DeepSeek-V4 bundles: n-gram drafts and
 union"); a synthetic bundle has random weights and no tokenizer, so the ids are the workload
 text through Qwen2.5's tokenizer (ids past the bundle's vocabulary wrap around):
 
-    python -m bitnest_mlx.runtime.dsv4 make-bundle --layers 3 --first-layer 2 --out /tmp/flash-l2-4
+    python -m bitnest_mlx.dsv4 make-bundle --layers 3 --first-layer 2 --out /tmp/flash-l2-4
     python examples/dsv4_expert_union.py --bundle /tmp/flash-l2-4 \\
         --tokenizer ~/.cache/bitnest_mlx/realmodel/qwen2.5-coder-0.5b-instruct.gguf \\
         --prompts 4 --tokens 384 --json /tmp/flash-union.json

@@ -7,7 +7,7 @@ OUT=${1:-/work/runs/dsv4-2layer}
 PY=${PYTHON:-python}
 
 # 1. Flash layers 3-4 (ratios 128 and 4, gate/up 2-bit, down 4-bit), random weights, streamed.
-$PY -m bitnest_mlx.runtime.dsv4 make-bundle --layers 2 --out "$OUT"
+$PY -m bitnest_mlx.dsv4 make-bundle --layers 2 --out "$OUT"
 
 # 2. Resident: peak RSS of load + one decode step vs the tensor bytes, decode tok/s, weight bytes
 #    per token, the per-part table, and the routed experts beside mlx-lm's SwitchGLU.

@@ -43,6 +43,7 @@ RANKS = {
     "upload": 7,
     "verify": 7,
     "doctor": 7,
+    "dsv4": 7,  # `python -m bitnest_mlx.dsv4 make-bundle`
     "__main__": 7,
     "__init__": 7,  # the lazy public API
     "bitnest_mlx_hook": 8,  # the .pth's startup hook: stdlib only, hands over to the integration

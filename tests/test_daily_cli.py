@@ -22,12 +22,19 @@ from bitnest_mlx.runtime.demo import demo_path
 LONG = ["--max-tokens", "1000", "--temp", "1.0", "--ignore-chat-template"]  # 300+ tokens, seed 0
 
 
+def _interruptible() -> None:
+    # A child of a background job inherits SIGINT ignored (POSIX), and then Python never turns
+    # it into KeyboardInterrupt; a user's terminal delivers it with the default disposition.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(*argv: str, **kw) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_interruptible,
         **kw,
     )
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import json
 import re
@@ -24,11 +25,11 @@ from bitnest_mlx.cli import (
     doctor,
     eval,
     generate,
+    make_bundle,
     server,
     upload,
     verify,
 )
-from bitnest_mlx.runtime import dsv4
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -45,9 +46,26 @@ PARSERS = {
     "upload": upload.build_parser,
     "verify": verify.build_parser,
     "doctor": doctor.build_parser,
-    "dsv4": dsv4.build_parser,
+    "dsv4": make_bundle.build_parser,
 }
 MAINS = {"generate": generate.main, "chat": chat.main, "doctor": doctor.main, "verify": verify.main}
+# Example scripts a runnable block may run (`python examples/NAME.py ARGS`): each has main(argv).
+RUNNABLE_EXAMPLES = ("server_throughput",)
+
+
+def example_main(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def runnable_of(tokens: list[str]) -> tuple[str, list[str]] | None:
+    """(what MAINS runs, its arguments) for one of our commands or a runnable example script."""
+    if len(tokens) > 1 and tokens[0] == "python" and tokens[1].startswith("examples/"):
+        name = tokens[1].removeprefix("examples/").removesuffix(".py")
+        return (f"examples/{name}", tokens[2:]) if name in RUNNABLE_EXAMPLES else None
+    return command_of(tokens)
 
 
 @dataclass(frozen=True)
@@ -174,7 +192,9 @@ def flag_tables() -> list[tuple[Path, str, set[str]]]:
     return found
 
 
-@pytest.mark.parametrize("page, name, listed", flag_tables(), ids=lambda v: str(v)[-30:])
+@pytest.mark.parametrize(
+    "page, name, listed", flag_tables(), ids=[f"{p.name}-{n}" for p, n, _ in flag_tables()]
+)
 def test_a_commands_flag_table_lists_exactly_its_flags(page, name, listed):
     parser = PARSERS[name]()
     flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
@@ -204,8 +224,9 @@ def transcripts(block: Block) -> list[tuple[str, list[str], list[str], str | Non
     for line in block.text.splitlines():
         if line.startswith("$ "):
             command, stdin = piped_input(line[2:])
-            cmd = command_of(shlex.split(command, comments=True))
-            assert cmd is not None and cmd[0] in MAINS, f"{block}: cannot run {line}"
+            cmd = runnable_of(shlex.split(command, comments=True))
+            runs = cmd is not None and (cmd[0] in MAINS or cmd[0].startswith("examples/"))
+            assert runs, f"{block}: cannot run {line}"
             found.append((cmd[0], cmd[1], [], stdin))
         else:
             assert found, f"{block}: a runnable block starts with `$ command`"
@@ -259,7 +280,8 @@ def test_a_runnable_block_prints_what_it_documents(block, capsys, monkeypatch):
         if stdin is not None:
             monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
         with contextlib.suppress(SystemExit):  # an argument refused: exit 2, as documented
-            MAINS[name](_short(argv))
+            main = MAINS.get(name) or example_main(name.removeprefix("examples/"))
+            main(_short(argv))
         out = capsys.readouterr()
         printed = [x for x in (out.out + out.err).splitlines() if x.strip()]
         _same_shape(documented, printed, name, f"{block}: {name} {' '.join(argv)}")

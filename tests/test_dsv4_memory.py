@@ -11,11 +11,11 @@ import pytest
 from mlx.utils import tree_flatten
 
 from bitnest_mlx import load
+from bitnest_mlx.cli import make_bundle
 from bitnest_mlx.formats import dsv4_bundle, dsv4_bundle_write, dsv4_synthetic
 from bitnest_mlx.layers.expert_store import ExpertStore, expert_source, tensor_ranges
 from bitnest_mlx.layers.mxtq_linear import MXTQSwitchLinear
 from bitnest_mlx.measurement import dsv4_bench
-from bitnest_mlx.runtime import dsv4
 from bitnest_mlx.runtime.demo import TINY_CONFIG, random_weights
 from bitnest_mlx.runtime.loader import ExpertBudgetError
 
@@ -28,7 +28,7 @@ def tiny(tmp_path_factory):
     written through the CLI entry, in several shards."""
     out = tmp_path_factory.mktemp("syn") / "tiny"
     assert (
-        dsv4.main(
+        make_bundle.main(
             [
                 "make-bundle",
                 "--tiny",
