@@ -19,7 +19,7 @@ from bitnest_mlx.kernels import emulator
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "kernels.md"
 needs_cxx = pytest.mark.skipif(
-    shutil.which(emulator.CXX) is None, reason=f"the Metal emulator needs {emulator.CXX}"
+    shutil.which(emulator.cxx()) is None, reason=f"the Metal emulator needs {emulator.cxx()}"
 )
 
 
@@ -29,8 +29,8 @@ def _args(*argv: str):
 
 @pytest.fixture(scope="module")
 def emulated_report() -> dict:
-    if shutil.which(emulator.CXX) is None:
-        pytest.skip(f"the Metal emulator needs {emulator.CXX}")
+    if shutil.which(emulator.cxx()) is None:
+        pytest.skip(f"the Metal emulator needs {emulator.cxx()}")
     return doctor.collect(_args(), runner=emulator.run)
 
 

@@ -18,7 +18,7 @@ from bitnest_mlx.cli import generate
 from bitnest_mlx.layers import dual_plane, nested_kv
 from bitnest_mlx.layers.options import RunOptions
 from bitnest_mlx.measurement.roofline import roofline
-from bitnest_mlx.runtime import speculative
+from bitnest_mlx.runtime import rounds
 from bitnest_mlx.runtime.draft_kv import (
     KV8_BUDGET,
     choose_draft_kv,
@@ -171,14 +171,14 @@ def test_auto_decides_each_round_from_the_cache_length(package):
     model, _ = package
     limit = model_kv8_limit(model)
     seen = []
-    real_draft = speculative.draft
+    real_draft = rounds.draft
 
     def spy(model_, cache, y, gamma, *args):
         seen.append((cache[0].offset + gamma, args[3].draft_kv))  # (sampler, history, procs, o)
         return real_draft(model_, cache, y, gamma, *args)
 
     prompt = mx.array(np.arange(limit - 8) % 250, dtype=mx.uint32)
-    with mock.patch.object(speculative, "draft", spy):
+    with mock.patch.object(rounds, "draft", spy):
         steps = speculative_generate_step(
             prompt,
             model,

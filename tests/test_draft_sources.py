@@ -13,16 +13,13 @@ from test_speculative import P_LOGITS, chi2_pvalue, tokens_of
 import bitnest_mlx
 from bitnest_mlx.runtime.demo import demo_path
 from bitnest_mlx.runtime.prompt_lookup import PromptLookup
+from bitnest_mlx.runtime.rounds import commit, draft, point_mass, verify
 from bitnest_mlx.runtime.sampling import make_sampler
 from bitnest_mlx.runtime.speculative import (
     Sampler,
     SpeculativeStats,
-    commit,
-    draft,
-    point_mass,
     speculative_generate_step,
     speculative_sample,
-    verify,
 )
 from bitnest_mlx.runtime.speed_model import CostModel, rounds_speedup
 

@@ -17,7 +17,9 @@ from bitnest_mlx.measurement import kernel_costs
 from bitnest_mlx.runtime import chips
 from bitnest_mlx.runtime.speed_model import KV8_CYCLES
 
-needs_compilers = tools.needs(emulate.CXX, counting.CLANG, why="operation counts build with both")
+needs_compilers = tools.needs(
+    emulate.cxx(), counting.clang(), why="operation counts build with both"
+)
 
 
 def count_inline(body: str, threads: int) -> counting.Counts:
@@ -122,7 +124,7 @@ def test_chip_budget_is_alus_times_clock_per_streamed_byte():
 
 
 def test_bench_kernels_says_which_compiler_is_missing(monkeypatch, capsys):
-    monkeypatch.setattr(counting, "CLANG", "no-such-clang++")
+    monkeypatch.setenv("BITNEST_EMU_CLANG", "no-such-clang++")
     assert bench.main(["--kernels"]) == 2
     assert "no-such-clang++ not found" in capsys.readouterr().out
 

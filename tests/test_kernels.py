@@ -41,7 +41,7 @@ SELF_TESTS = {
     "hadamard": mxtq_linear.hadamard_self_test,
 }
 
-needs_cxx = tools.needs(emulator.CXX, why="the Metal emulator compiles kernels with it")
+needs_cxx = tools.needs(emulator.cxx(), why="the Metal emulator compiles kernels with it")
 on_metal = pytest.mark.skipif(not mx.metal.is_available(), reason="needs Metal (a Mac)")
 
 

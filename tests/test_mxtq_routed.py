@@ -100,7 +100,7 @@ def test_resident_routed_glu_needs_no_host_sync_so_it_compiles():
     )
 
 
-@tools.needs(emulator.CXX, why="the emulator compiles kernels with it")
+@tools.needs(emulator.cxx(), why="the emulator compiles kernels with it")
 @pytest.mark.parametrize("bits", [(2, 2, 4), (4, 4, 2)], ids=["2-2-4", "4-4-2"])
 def test_routed_glu_on_emulated_metal_is_four_dispatches_and_the_pure_result(bits, monkeypatch):
     """Rotate x once, fused gate/up/SwiGLU/route weight, rotate h, gather down."""

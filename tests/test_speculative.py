@@ -13,15 +13,13 @@ from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 import bitnest_mlx
 from bitnest_mlx.runtime.demo import demo_path
 from bitnest_mlx.runtime.draft_control import DraftController
+from bitnest_mlx.runtime.rounds import commit, draft, verify
 from bitnest_mlx.runtime.speculative import (
     Sampler,
     SpeculativeStats,
-    commit,
-    draft,
     make_sampler,
     speculative_generate_step,
     speculative_sample,
-    verify,
 )
 
 

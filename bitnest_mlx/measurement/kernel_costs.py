@@ -16,7 +16,7 @@ def missing_tools() -> list[str]:
     """The compilers the counting emulator needs that this machine lacks."""
     from ..kernels.emulator import counting, emulate
 
-    return [c for c in (emulate.CXX, counting.CLANG) if shutil.which(c) is None]
+    return [c for c in (emulate.cxx(), counting.clang()) if shutil.which(c) is None]
 
 
 def estimate(result: dict, chips: tuple[Chip, ...] = GPUS) -> dict:

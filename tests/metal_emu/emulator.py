@@ -5,10 +5,10 @@ from dataclasses import dataclass
 
 from bitnest_mlx import kernels
 from bitnest_mlx.kernels.emulator.emulate import (  # noqa: F401
-    CXX,
     EmulatorError,
     capture,
     compile_source,
+    cxx,
     launcher,
     parse_signature,
     run,

@@ -5,6 +5,6 @@ runs every kernel through it, and `bench --kernels` counts the operations each k
 (`profile`). Not imported by `bitnest_mlx.kernels`: the runtime never needs it.
 """
 
-from .emulate import CXX, EmulatorError, capture, compile_source, parse_signature, run
+from .emulate import EmulatorError, capture, compile_source, cxx, parse_signature, run
 
-__all__ = ["CXX", "EmulatorError", "capture", "compile_source", "parse_signature", "run"]
+__all__ = ["EmulatorError", "cxx", "capture", "compile_source", "parse_signature", "run"]

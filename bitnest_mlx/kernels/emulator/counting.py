@@ -34,7 +34,13 @@ import mlx.core as mx
 from ..launch import Launch
 from . import emulate
 
-CLANG = os.environ.get("BITNEST_EMU_CLANG", "clang++")
+
+def clang() -> str:
+    """The clang++ of the counting builds (`BITNEST_EMU_CLANG`, default clang++), read at
+    each build so a process may change it."""
+    return os.environ.get("BITNEST_EMU_CLANG", "clang++")
+
+
 # -O2 without vectorisation (a GPU thread is scalar); a high unroll threshold because GPU
 # compilers fully unroll short constant-trip loops, which x86's default would leave as loops
 # whose counters and index arithmetic a Metal build does not execute.
@@ -285,7 +291,7 @@ def instrument(ir: str) -> Instrumented:
 
 def compiler() -> str | None:
     """The clang++ that counting builds need, or None."""
-    return shutil.which(CLANG)
+    return shutil.which(clang())
 
 
 def _count_tu(source: str) -> str:
@@ -301,7 +307,7 @@ def _build(source: str) -> tuple[str, tuple[Counter, ...]]:
     clang = compiler()
     if clang is None:
         raise RuntimeError(
-            f"operation counts need clang++ ({CLANG!r} not found; set BITNEST_EMU_CLANG or "
+            f"operation counts need clang++ ({clang()!r} not found; set BITNEST_EMU_CLANG or "
             "install clang)"
         )
     tu = _count_tu(source)

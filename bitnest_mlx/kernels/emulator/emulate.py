@@ -28,7 +28,13 @@ import numpy as np
 from ..launch import Launch, metal_runner
 
 HERE = Path(__file__).parent
-CXX = os.environ.get("BITNEST_EMU_CXX", "g++")
+
+
+def cxx() -> str:
+    """The C++ compiler the emulator builds kernels with (`BITNEST_EMU_CXX`, default g++),
+    read at each build so a process may change it."""
+    return os.environ.get("BITNEST_EMU_CXX", "g++")
+
 
 _NP = {
     mx.float32: np.float32,
@@ -182,13 +188,13 @@ def _headers() -> str:
 def compile_source(source: str) -> ctypes.CDLL:
     """g++-compile the generated source with its launcher; one library per distinct text."""
     tu = translation_unit(source)
-    digest = hashlib.sha256((CXX + _headers() + tu).encode()).hexdigest()[:16]
+    digest = hashlib.sha256((cxx() + _headers() + tu).encode()).hexdigest()[:16]
     lib = build_dir() / f"k{digest}.so"
     if not lib.exists():
         private = build_dir() / f"k{digest}.{os.getpid()}"
         src = private.with_suffix(".cpp")
         src.write_text(tu)
-        cmd = [CXX, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-attributes"]
+        cmd = [cxx(), "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-attributes"]
         cmd += ["-I", str(HERE), "-o", str(private) + ".so", str(src)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         src.unlink()
