@@ -1,6 +1,6 @@
 """bitnest-doctor on this CPU machine: the kernels' self-tests through the CPU emulator (the
 runner seam a Mac fills with Metal), the pure-path decode, the Markdown and the JSON whose every
-field docs/kernels.md documents."""
+field docs/doctor.md documents."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from bitnest_mlx.cli import doctor
 from bitnest_mlx.cli.doctor_kernels import CHECKS, Recorder, replay_gbps, run_checks
 from bitnest_mlx.kernels import emulator
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "kernels.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "doctor.md"
 needs_cxx = pytest.mark.skipif(
     shutil.which(emulator.cxx()) is None, reason=f"the Metal emulator needs {emulator.cxx()}"
 )
@@ -86,7 +86,7 @@ def _paths(value, prefix: str = "") -> set[str]:
 
 
 def _documented_fields() -> set[str]:
-    """The first column of docs/kernels.md's doctor JSON table."""
+    """The first column of docs/doctor.md's JSON table."""
     text = DOCS.read_text(encoding="utf-8")
     table = text[text.index("<!-- doctor-json-fields -->") :].split("\n\n")[1]
     return {"." + m for m in re.findall(r"^\| `([^`]+)` \|", table, re.M)}

@@ -13,7 +13,7 @@ this machine? A short Markdown report to paste into an issue (`--json`: the same
 Off Metal the kernels are reported unavailable and only the pure-MLX part runs (`--emulator`
 runs their self-tests in the CPU emulator instead, which needs g++). Under a minute on a Mac:
 self-tests at the layers' few-KB shapes, 20 timed replays per kernel, a 64-token decode.
-docs/kernels.md says what a healthy report looks like and documents the JSON.
+docs/doctor.md says what a healthy report looks like and documents the JSON.
 """
 
 from __future__ import annotations

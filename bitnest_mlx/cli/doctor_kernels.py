@@ -108,8 +108,8 @@ def run_checks(
     peak_gbs: float | None,
     checks: tuple[Check, ...] = CHECKS,
 ) -> dict:
-    """{"checks": [...], "compiled": {kernel: "yes" | error | "not launched"}} (docs/kernels.md
-    "What a healthy doctor report looks like" has the fields)."""
+    """{"checks": [...], "compiled": {kernel: "yes" | error | "not launched"}} (docs/doctor.md
+    "What a healthy report looks like" has the fields)."""
     compiled: dict[str, str] = {}
     rows = []
     for check in checks:
