@@ -5,6 +5,7 @@ size a reader can hold (docs/architecture.md)."""
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -266,3 +267,52 @@ def test_every_module_is_under_450_lines():
         if (n := len(f.read_text(encoding="utf-8").splitlines())) >= 450
     }
     assert not long, long
+
+
+def long_functions(limit: int = 60) -> dict[str, int]:
+    """`module.function` -> lines (signature and docstring included) of each one over `limit`."""
+    found = {}
+    for name, f in module_files().items():
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if (n := node.end_lineno - node.lineno + 1) > limit:
+                    found[f"{name}.{node.name}"] = n
+    return found
+
+
+def test_no_function_is_over_60_lines():
+    assert not long_functions(), long_functions()
+
+
+def test_the_function_length_check_sees_a_long_function(tmp_path, monkeypatch):
+    pkg = tmp_path / "bitnest_mlx"
+    pkg.mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(60))
+    (pkg / "long.py").write_text(f"def steps():\n{body}")
+    monkeypatch.setitem(SOURCES, "bitnest_mlx", pkg)
+    assert long_functions() == {"bitnest_mlx.long.steps": 61}
+
+
+def change_table() -> dict[str, str]:
+    """docs/architecture.md's "Where a change goes": change -> the cell naming its place."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    table = text.split("## Where a change goes", 1)[1].split("\n\n")[1]
+    rows = [line.split(" | ", 1) for line in table.splitlines()[2:]]
+    return {change.strip("| *"): place for change, place in rows}
+
+
+def test_the_change_table_names_an_existing_file_for_each_kind_of_change():
+    table = change_table()
+    for kind in (
+        "a new model family",
+        "a new storage format",
+        "a new kernel",
+        "a new CLI flag",
+        "a new converter method",
+        "a new benchmark",
+    ):
+        assert any(change.startswith(kind) for change in table), kind
+    for change, place in table.items():
+        for path in re.findall(r"`([\w./]+/[\w.]+\.(?:py|metal|md|json))`", place):
+            here = [ROOT / path, ROOT / "bitnest_mlx" / path]
+            assert any(p.exists() for p in here), f"{change}: {path} does not exist"

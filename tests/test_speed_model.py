@@ -112,3 +112,13 @@ def test_bench_workloads_reports_rounds_sources_and_projections(capsys):
     assert len(r["prompts"]) == len(load_workload("code_edit"))
     assert all(len(p["tokens"]) >= 6 for p in r["prompts"].values())
     assert out["verify_cost"]["pure"]["M4 Max"]["1"] == 1.0
+
+
+def test_bench_speed_model_reads_the_demo_and_refuses_a_folder_without_config_in_one_line(
+    tmp_path, capsys
+):
+    assert bench.main(["--speed-model", "--model", "demo", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["vocab_size"] > 0
+    assert bench.main(["--speed-model", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "config.json" in err[0]

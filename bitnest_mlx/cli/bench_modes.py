@@ -109,7 +109,16 @@ def kernels(as_json: bool = False) -> int:
 def speed_model(model: str, acceptance: list[tuple[int | str, float]] | None, as_json: bool) -> int:
     """`bench --speed-model`."""
     sizes: dict[int | str, float | None] = dict(acceptance or [("package", None)])
-    result = speed_projection.project(Path(model), sizes)
+    path = Path(resolve_model(model))
+    if not (path / "config.json").is_file():
+        return refuse(
+            f"{model}: --speed-model reads a package or a Hugging Face checkpoint folder, and "
+            f"{path / 'config.json'} does not exist"
+        )
+    try:
+        result = speed_projection.project(path, sizes)
+    except (*LOAD_ERRORS, OSError, ValueError, KeyError) as e:
+        return refuse(f"{model}: {e}")
     print(json.dumps(result, indent=2) if as_json else speed_projection.report(result))
     return 0
 

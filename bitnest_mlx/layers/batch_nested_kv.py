@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, dynamic_roll
 
-from .. import kernels
+from .kv_attention import pure_attention
 
 Planes = tuple[mx.array, ...]
 
@@ -85,11 +85,7 @@ class BatchNestedKVCache(BatchKVCache):
     ) -> mx.array:
         """NestedKVCache.attend for B rows. Always the pure path: the Metal kernel reads one
         unpadded sequence (`n_kv` keys from index 0), and left padding needs the mask."""
-        kernels.record("nested_kv", "pure")
-        keys, values = self.update_and_fetch(k, v, draft)
-        if k_offset is not None:
-            keys = keys + k_offset.astype(keys.dtype)
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+        return pure_attention(self, q, k, v, scale=scale, mask=mask, draft=draft, k_offset=k_offset)
 
     # -- mlx-lm's batching protocol ---------------------------------------------------------
 

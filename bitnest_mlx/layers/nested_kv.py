@@ -9,6 +9,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from .. import kernels
 from ..formats.bitnest.numerics import nested
+from .kv_attention import pure_attention
 
 _SHIFTS = mx.array([4 * i for i in range(8)], dtype=mx.uint32)
 
@@ -108,11 +109,7 @@ class NestedKVCache(_BaseCache):
                 group=self.group_size,
                 n_kv=self.offset,
             )
-        kernels.record("nested_kv", "pure")
-        keys, values = self.update_and_fetch(k, v, draft)
-        if k_offset is not None:
-            keys = keys + k_offset.astype(keys.dtype)
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+        return pure_attention(self, q, k, v, scale=scale, mask=mask, draft=draft, k_offset=k_offset)
 
     def update_and_fetch(
         self, keys: mx.array, values: mx.array, draft: bool = False
