@@ -122,3 +122,22 @@ def test_bench_speed_model_reads_the_demo_and_refuses_a_folder_without_config_in
     assert bench.main(["--speed-model", "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "config.json" in err[0]
+
+
+def test_a_workload_run_ends_after_the_round_holding_its_end_of_sequence_token(monkeypatch):
+    """An accepted draft can be the end-of-sequence token: the run stops after that round
+    (never decoding past the end of the text) and its text ends at the token."""
+    from bitnest_mlx.measurement import workloads
+    from bitnest_mlx.runtime.speed_model import Round
+
+    rounds = [[5, 6, 7], [8, 2, 9], [10, 11, 12]]  # 2 is the end, the 2nd of round 2
+
+    def fake_loop(prompt, model, *, stats, **kwargs):
+        for out in rounds:
+            stats.record(Round("ngram", drafted=len(out), accepted=len(out) - 1))
+            yield from ((t, None, i < len(out) - 1) for i, t in enumerate(out))
+
+    monkeypatch.setattr(workloads, "speculative_generate_step", fake_loop)
+    tokens, stats = workloads.speculate(None, [1], 100, None, 0, "auto", eos_token_ids=[2])
+    assert tokens == [5, 6, 7, 8, 2]
+    assert len(stats.round_log) == 2  # the round that held the end, whole; no round after it

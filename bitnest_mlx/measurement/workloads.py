@@ -73,13 +73,17 @@ def speculate(
         draft_source=draft_source,
         **kwargs,
     )
+    end = None  # just after the first end-of-sequence token: the text ends there
     for token, _, _ in steps:
         tokens.append(token)
-        # Stop after the round that reaches the budget: rounds stay whole in the stats.
-        if (len(tokens) >= gen_tokens or token in eos) and len(tokens) == _emitted(stats):
+        if end is None and token in eos:
+            end = len(tokens)
+        # Stop after the round that reaches the budget or the end (an accepted draft may be
+        # the end-of-sequence token): rounds stay whole in the stats, as in stream_generate's.
+        if (end or len(tokens) >= gen_tokens) and len(tokens) == _emitted(stats):
             break
     steps.close()
-    return tokens, stats
+    return tokens[:end], stats
 
 
 def _emitted(stats: SpeculativeStats) -> int:
