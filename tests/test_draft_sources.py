@@ -14,12 +14,11 @@ import bitnest_mlx
 from bitnest_mlx.runtime.demo import demo_path
 from bitnest_mlx.runtime.prompt_lookup import PromptLookup
 from bitnest_mlx.runtime.rounds import commit, draft, point_mass, verify
-from bitnest_mlx.runtime.sampling import make_sampler
+from bitnest_mlx.runtime.sampling import make_sampler, speculative_sample
 from bitnest_mlx.runtime.speculative import (
     Sampler,
     SpeculativeStats,
     speculative_generate_step,
-    speculative_sample,
 )
 from bitnest_mlx.runtime.speed_model import CostModel, rounds_speedup
 

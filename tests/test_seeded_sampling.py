@@ -28,12 +28,12 @@ from bitnest_mlx.runtime.sampling import (
     PositionNoise,
     SeededSampler,
     gumbel_speculative_sample,
+    speculative_sample,
 )
 from bitnest_mlx.runtime.speculative import (
     SpeculativeStats,
     make_sampler,
     speculative_generate_step,
-    speculative_sample,
 )
 from bitnest_mlx.runtime.speed_model import CostModel
 

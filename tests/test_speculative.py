@@ -14,12 +14,12 @@ import bitnest_mlx
 from bitnest_mlx.runtime.demo import demo_path
 from bitnest_mlx.runtime.draft_control import DraftController
 from bitnest_mlx.runtime.rounds import commit, draft, verify
+from bitnest_mlx.runtime.sampling import speculative_sample
 from bitnest_mlx.runtime.speculative import (
     Sampler,
     SpeculativeStats,
     make_sampler,
     speculative_generate_step,
-    speculative_sample,
 )
 
 

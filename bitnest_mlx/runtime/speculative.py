@@ -20,9 +20,8 @@ from mlx_lm.generate import GenerationResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..layers.options import RunOptions
-from .draft_control import DraftController
 from .rounds import LogitsProcessor, SpeculationPolicy, SpeculativeRun, SpeculativeStats
-from .sampling import PositionNoise, Sampler, make_sampler, speculative_sample
+from .sampling import Sampler, make_sampler
 
 
 def speculative_generate_step(
@@ -183,14 +182,11 @@ def generate(
 
 
 __all__ = [
-    "DraftController",
-    "PositionNoise",
     "Sampler",
     "SpeculationPolicy",
     "SpeculativeStats",
     "generate",
     "make_sampler",
     "speculative_generate_step",
-    "speculative_sample",
     "stream_generate",
 ]
