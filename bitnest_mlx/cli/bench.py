@@ -378,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.kernels:
         return bench_modes.kernels(args.json)
+    if args.dispatches:
+        return bench_modes.dispatches(args.model, args.json)
     if args.speed_model:
         return bench_modes.speed_model(args.model, args.acceptance, args.json)
 
