@@ -1,0 +1,101 @@
+"""The kernel counter on the GPU basis (`bench --dispatches`): what it counts, against structures
+known independently of our code."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from bitnest_mlx.measurement import dispatch_graph as dg
+from bitnest_mlx.measurement import dispatches as d
+from bitnest_mlx.models.bitnest_llama import ModelArgs
+
+TINY = ModelArgs(
+    arch="llama",
+    hidden_size=128,
+    num_hidden_layers=2,
+    intermediate_size=256,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    vocab_size=64,
+    rms_norm_eps=1e-5,
+    head_dim=64,
+    group_size=64,
+    r4=[{"K": 1, "fp32": False}] * 2,
+    o_proj_group=64,
+    kv_group=32,
+    r3=True,
+)
+
+
+def _evaluated(*arrays):
+    mx.eval(*arrays)
+    return arrays
+
+
+def test_each_fast_op_counts_as_one_kernel_whatever_its_cpu_fallback():
+    x, w = _evaluated(mx.ones((1, 3, 64), dtype=mx.float16), mx.ones((64,), dtype=mx.float16))
+    (q,) = _evaluated(mx.ones((1, 2, 3, 64), dtype=mx.float16))
+    plain = dg.count([mx.fast.rms_norm(x, w, 1e-5)])
+    assert plain > 1  # the CPU backend builds the fallback graph
+    with dg.gpu_basis():
+        assert dg.count([mx.fast.rms_norm(x, w, 1e-5)]) == 1
+        rope = mx.fast.rope(q, 64, traditional=False, base=1e4, scale=1.0, offset=3)
+        assert dg.count([rope]) == 1
+        out = mx.fast.scaled_dot_product_attention(q, q, q, scale=0.1, mask="causal")
+        assert out.shape == q.shape and dg.count([out]) == 1
+        # Each stand-in depends on its inputs: the work before it is still counted.
+        assert dg.count([mx.fast.rms_norm(x * 2, w, 1e-5)]) == 2
+
+
+def test_views_are_free_and_each_call_of_a_compiled_function_is_one_kernel():
+    f = mx.compile(lambda a: mx.exp(a * 3 + 1) - 2)
+    (x,) = _evaluated(mx.ones((4, 8)))
+    assert dg.count([x.T.reshape(32)[:5]]) == 0
+    assert dg.count([f(x)]) == 1
+    # Calls share one primitive object: counting by primitive would see one kernel here.
+    assert dg.count([f(f(x)), f(x + 1)]) == 4
+
+
+def test_host_syncs_and_the_kernels_they_evaluate_are_counted():
+    (x,) = _evaluated(mx.ones((1,)))
+    with dg.gpu_basis() as ledger:
+        y = x * 2 + 1
+        mx.eval(y)
+        y.item()  # evaluated already: a read, no sync
+        (y - 1).item()
+        mx.async_eval(y * 3)  # launched, not waited for
+    assert ledger.syncs == [2, 1]
+    assert ledger.launched == 4
+
+
+def test_mlx_lm_llama_launches_its_seventeen_kernels_per_layer():
+    # 2 norms, q/k/v, 2 RoPE, 2 cache writes, attention, o_proj, 2 residual adds, gate, up, the
+    # compiled SwiGLU and down: mlx-lm's llama.py read independently of the counter.
+    c = d.count_mlx_lm_llama(TINY, bits=8)
+    assert c.per_layer == 17
+    assert c.per_layer_parts["projection"] == 7 and c.per_layer_parts["attention"] == 1
+
+
+def test_bitnest_parts_add_up_and_the_kernel_path_launches_fewer_than_the_pure_path():
+    counts = d.count_bitnest(TINY)
+    for path in ("kernel", "pure"):
+        for step in ("draft", "target", "verify_4"):
+            c = counts[path][step]
+            assert sum(c.per_layer_parts.values()) == c.per_layer
+            assert c.per_layer_parts["norm"] == 2  # two RMSNorms a layer, one kernel each
+    assert counts["kernel"]["target"].per_layer < counts["pure"]["target"].per_layer
+    # A verify pass launches the kernels of a step, whatever its rows.
+    assert counts["kernel"]["verify_8"].per_layer == counts["kernel"]["target"].per_layer
+    # The round: γ draft steps and one verify pass at least, and its host syncs seen.
+    r = counts["kernel"][f"round_gamma_{d.ROUND_GAMMA}"]
+    assert r.per_layer >= (d.ROUND_GAMMA + 1) * counts["kernel"]["target"].per_layer - 1e-9
+    assert r.syncs >= 1
+
+
+def test_the_counter_leaves_mlx_as_it_found_it():
+    fns = (mx.eval, mx.async_eval, mx.fast.rms_norm, mx.array.item, nn.QuantizedLinear.__call__)
+    with dg.gpu_basis(parts=d.mlx_lm_parts()):
+        assert mx.eval is not fns[0]
+    assert (mx.eval, mx.async_eval, mx.fast.rms_norm, mx.array.item) == fns[:4]
+    assert nn.QuantizedLinear.__call__ is fns[4]
