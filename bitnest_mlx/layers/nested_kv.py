@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import cache, partial
 from typing import Any
 
 import mlx.core as mx
@@ -11,30 +12,39 @@ from .. import kernels
 from ..formats.bitnest.numerics import nested
 from .kv_attention import pure_attention
 
-_SHIFTS = mx.array([4 * i for i in range(8)], dtype=mx.uint32)
-
-
-def _pack(u: mx.array) -> mx.array:
-    """uint32 codes in [0, 15] along the last axis -> MLX 4-bit words (8 codes per uint32)."""
-    u = u.reshape(*u.shape[:-1], -1, 8)
-    return (u << _SHIFTS).sum(axis=-1).astype(mx.uint32)
-
 
 def nest_quantize(x: mx.array, group: int) -> tuple[mx.array, mx.array, mx.array]:
     """x [..., D] -> (hi, lo) uint32 [..., D/8] and scales float32 [..., D/group].
 
     s = max|x|/7 (1 if 0), q4 = clip(round(x/s), -8, 7), qr = clip(round((x - q4 s)/(s/16)), -8, 7),
-    stored as u = q + 8; fp32 math, round half to even.
+    stored as u = q + 8; fp32 math, round half to even. Launched as max|x| (two kernels), one
+    compiled elementwise kernel for both planes' codes, each already shifted to its place in
+    its 4-bit word, and one sum per plane that packs them (the shifted codes have no bit in
+    common, so the sum is their OR).
     """
-    xf = x.astype(mx.float32)
-    xg = xf.reshape(*x.shape[:-1], x.shape[-1] // group, group)
-    s = mx.abs(xg).max(axis=-1, keepdims=True) / 7.0
+    xg = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    amax = mx.abs(xg).max(axis=-1, keepdims=True)
+    hi, lo, s = _nest_codes(xg, amax, _shifts(group))
+    words = (*x.shape[:-1], x.shape[-1] // 8, 8)
+    return hi.reshape(words).sum(axis=-1), lo.reshape(words).sum(axis=-1), s.squeeze(-1)
+
+
+@cache
+def _shifts(group: int) -> mx.array:
+    """Per column of a group: the bit offset of its nibble in MLX's 4-bit word (8 per uint32)."""
+    return mx.array([4 * (c % 8) for c in range(group)], dtype=mx.uint32)
+
+
+@partial(mx.compile, shapeless=True)
+def _nest_codes(xg: mx.array, amax: mx.array, shifts: mx.array) -> tuple[mx.array, ...]:
+    xg = xg.astype(mx.float32)
+    s = amax.astype(mx.float32) / 7.0
     s = mx.where(s == 0, 1.0, s)
     q4 = mx.clip(mx.round(xg / s), -8, 7)
     qr = mx.clip(mx.round((xg - q4 * s) / (s / 16)), -8, 7)
-    hi = _pack((q4 + 8).astype(mx.uint32).reshape(x.shape))
-    lo = _pack((qr + 8).astype(mx.uint32).reshape(x.shape))
-    return hi, lo, s.squeeze(-1)
+    hi = (q4 + 8).astype(mx.uint32) << shifts
+    lo = (qr + 8).astype(mx.uint32) << shifts
+    return hi, lo, s
 
 
 def nest_dequantize(
@@ -123,7 +133,14 @@ class NestedKVCache(_BaseCache):
         """Store K and V at `offset` and advance it; `keys`/`values` hold (hi, lo, scales),
         capacity-sized, the first `offset` positions valid."""
         prev, n = self.offset, keys.shape[2]
-        new_k, new_v = self._encode(keys), self._encode(values)
+        if self.quantized and keys.shape == values.shape:
+            # K and V quantized as one tensor (per group of one row, so the same values): a GPU
+            # launches the quantization's kernels once for both.
+            heads = keys.shape[1]
+            both = self._encode(mx.concatenate([keys, values], axis=1))
+            new_k, new_v = tuple(a[:, :heads] for a in both), tuple(a[:, heads:] for a in both)
+        else:
+            new_k, new_v = self._encode(keys), self._encode(values)
         if self.keys is None or prev + n > self.keys[0].shape[2]:
             grow = (self.step + n - 1) // self.step * self.step
 

@@ -26,6 +26,7 @@ from ..layers.nested_kv import NestedKVCache
 from ..layers.options import RunOptions
 from ..runtime.rounds import SpeculationPolicy, SpeculativeRun
 from ..runtime.sampling import Sampler
+from ..runtime.speed_model import CostModel
 from . import dispatch_graph as dg
 
 DTYPE = mx.float16
@@ -182,13 +183,19 @@ def bitnest_step(mode: str, rows: int = 1) -> Run:
 
 def bitnest_round(gamma: int = ROUND_GAMMA) -> Run:
     """One speculative round as the loop runs it: γ W4 drafts, the W8 verify pass of γ + 1
-    rows, acceptance and commit (greedy, fixed γ, the model's chain)."""
+    rows, acceptance and commit (greedy, fixed γ, the model's chain, planned costs; a run that
+    times its draft and verify apart syncs once more a round)."""
 
     def run(model, cache, options, ledger):
         policy = SpeculationPolicy(
-            num_draft_tokens=gamma, adaptive=False, fallback=False, draft_source="model"
+            num_draft_tokens=gamma,
+            adaptive=False,
+            fallback=False,
+            draft_source="model",
+            cost_model=CostModel(0.5),  # planned costs: no round is timed apart
         )
-        prompt = mx.arange(1, PREFILL + 2, dtype=mx.uint32) % model.args.vocab_size
+        prompt = _prompt(model, PREFILL + 1)
+        mx.eval(prompt)
         loop = SpeculativeRun.start(model, prompt, policy, prompt_cache=cache, options=options)
         _, logprobs, _ = loop.round(prompt[-1:], 0, -1)
         return [logprobs]

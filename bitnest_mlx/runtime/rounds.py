@@ -15,7 +15,7 @@ A round with draft length γ (docs/bitnest-package.md §5.5):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 import mlx.core as mx
@@ -341,7 +341,7 @@ class SpeculativeRun:
             self.model, self.cache, y, plan.steps, self.sampler, self.history,
             self.processors, o, g, plan.ngram,
         )  # fmt: skip
-        if gamma:
+        if gamma and self.control.cost is None:  # timing the draft apart costs a host sync
             mx.eval(drafts, q)
         draft_s, tic = time.perf_counter() - tic, time.perf_counter()
         written = gamma if plan.steps else 0  # a copy alone wrote nothing
@@ -363,6 +363,47 @@ class SpeculativeRun:
                 [self.history, drafts[:n], mx.array(out[-1:], dtype=mx.uint32)]
             )
         return out, logprobs, n
+
+    @property
+    def drafts_nothing(self) -> bool:
+        """Whether every round is a target-only step (γ 0 or no draft source)."""
+        return self.policy.num_draft_tokens == 0 or self.policy.draft_source == "none"
+
+    def target_step(self, y: mx.array, produced: int) -> tuple[mx.array, mx.array]:
+        """A γ = 0 round left lazy: (the next token [1], its log-probabilities [1, V]); the
+        same calls and sampling rule as `round`, nothing read back."""
+        vocab = self.model.args.vocab_size
+        g = None if self.noise is None else self.noise.gumbel(produced, 1, vocab)
+        none = mx.zeros((0,), dtype=mx.uint32)
+        logits = verify(
+            self.model, self.cache, y, none, self.history, self.processors, False, self.options, 0
+        )
+        _, token = self.accept(
+            none, mx.zeros((0, vocab)), self.sampler.logprobs(logits), g, produced
+        )
+        token = token.reshape(1).astype(mx.uint32)
+        if self.processors:
+            self.history = mx.concatenate([self.history, token])
+        return token, logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def target_only(self, y: mx.array, max_tokens: int) -> Iterator[tuple[int, mx.array]]:
+        """Target-only decoding pipelined as mlx-lm's generate_step: step n + 1 is built and
+        launched (`mx.async_eval`) before step n's token is read, so the host's work overlaps
+        the GPU's and the one host sync a token waits on work already running."""
+        step = self.target_step(y, 0)
+        mx.async_eval(step)
+        produced, tic = 0, time.perf_counter()
+        while max_tokens < 0 or produced < max_tokens:
+            token, logprobs = step
+            produced += 1
+            if max_tokens < 0 or produced < max_tokens:
+                step = self.target_step(token, produced)
+                mx.async_eval(step)
+            out = token.item()
+            self.stats.verify_s += time.perf_counter() - tic
+            tic = time.perf_counter()
+            self.stats.record(Plan().as_round(0))
+            yield out, logprobs[0]
 
     def accept(
         self, drafts: mx.array, q: mx.array, p: mx.array, g: mx.array | None, produced: int

@@ -66,6 +66,10 @@ def speculative_generate_step(
         rule=rule,
     )
     y = run.prefill(prompt, prefill_step_size)
+    if run.drafts_nothing:
+        for token, logprobs in run.target_only(y, max_tokens):
+            yield token, logprobs, False
+        return
     produced = 0
     while max_tokens < 0 or produced < max_tokens:
         left = max_tokens - produced if max_tokens >= 0 else -1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -33,15 +34,44 @@ def _xp(x):
     return np if isinstance(x, np.ndarray) else mx
 
 
+def _grouped(x, group: int):
+    return x.reshape(*x.shape[:-1], x.shape[-1] // group, group) if group > 0 else x
+
+
 def _a8_groups(x, group: int):
     """(x as float, grouped when group > 0; its A8 scale amax/127 per row or group, 1 where
     amax == 0, with the reduced axis kept). MLX arrays in float32, numpy in their own dtype."""
-    xp = _xp(x)
-    xf = x.astype(mx.float32) if xp is mx else x
-    if group > 0:
-        xf = xf.reshape(*x.shape[:-1], x.shape[-1] // group, group)
-    amax = xp.abs(xf).max(axis=-1, keepdims=True)
-    return xf, xp.where(amax == 0, 1.0, amax / 127.0)
+    if _xp(x) is mx:
+        xg = _grouped(x, group)
+        return xg.astype(mx.float32), _mx_scale(_mx_amax(xg))
+    xf = _grouped(x, group)
+    amax = np.abs(xf).max(axis=-1, keepdims=True)
+    return xf, np.where(amax == 0, 1.0, amax / 127.0)
+
+
+# MLX: the same rule as a reduction and one compiled elementwise kernel after it (a GPU launches
+# each op of a graph as a kernel). |x| and its max are exact in x's dtype, and every other step
+# runs in float32 in the order the numpy rule does, so the results are the same bits.
+def _mx_amax(xg: mx.array) -> mx.array:
+    return mx.abs(xg).max(axis=-1, keepdims=True)
+
+
+@partial(mx.compile, shapeless=True)
+def _mx_scale(amax: mx.array) -> mx.array:
+    amax = amax.astype(mx.float32)
+    return mx.where(amax == 0, 1.0, amax / 127.0)
+
+
+@partial(mx.compile, shapeless=True)
+def _mx_codes(xg: mx.array, amax: mx.array) -> tuple[mx.array, mx.array]:
+    scale = _mx_scale(amax)
+    return mx.clip(mx.round(xg.astype(mx.float32) / scale), -128, 127), scale
+
+
+@partial(mx.compile, shapeless=True)
+def _mx_fake_quant(xg: mx.array, amax: mx.array) -> mx.array:
+    q, scale = _mx_codes(xg, amax)
+    return (q * scale).astype(xg.dtype)
 
 
 def a8_scale(x, group: int = -1):
@@ -53,9 +83,11 @@ def a8_scale(x, group: int = -1):
 
 def _a8_q(x, group: int):
     """(q grouped, scale grouped): q = clip(round_half_even(x/scale), -128, 127), as floats."""
-    xp = _xp(x)
+    if _xp(x) is mx:
+        xg = _grouped(x, group)
+        return _mx_codes(xg, _mx_amax(xg))
     xf, scale = _a8_groups(x, group)
-    return xp.clip(xp.round(xf / scale), -128, 127), scale
+    return np.clip(np.round(xf / scale), -128, 127), scale
 
 
 def a8_codes(x, group: int = -1):
@@ -72,9 +104,11 @@ def a8(x, group: int = -1):
     Division (not multiplication by 127/amax) reproduces the reference rounding at ties. The
     input rule is one for every path: x in its own dtype, widened to float32 (MLX).
     """
+    if _xp(x) is mx:
+        xg = _grouped(x, group)
+        return _mx_fake_quant(xg, _mx_amax(xg)).reshape(x.shape)
     q, scale = _a8_q(x, group)
-    out = (q * scale).reshape(x.shape)
-    return out.astype(x.dtype) if _xp(x) is mx else out
+    return (q * scale).reshape(x.shape)
 
 
 def pack_nibbles(u: np.ndarray) -> np.ndarray:
