@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from bitnest_mlx.models.bitnest_llama import ModelArgs
 
 from bitnest_mlx.measurement import dispatch_graph as dg
 from bitnest_mlx.measurement import dispatches as d
-from bitnest_mlx.models.bitnest_llama import ModelArgs
 
 TINY = ModelArgs(
     arch="llama",
@@ -99,3 +99,29 @@ def test_the_counter_leaves_mlx_as_it_found_it():
         assert mx.eval is not fns[0]
     assert (mx.eval, mx.async_eval, mx.fast.rms_norm, mx.array.item) == fns[:4]
     assert nn.QuantizedLinear.__call__ is fns[4]
+
+
+def test_target_only_decoding_syncs_once_a_token_with_the_next_step_launched_before():
+    import bitnest_mlx
+    from bitnest_mlx.runtime.speculative import speculative_generate_step
+
+    model, _ = bitnest_mlx.load("demo")
+    prompt = mx.array([5, 6, 7], dtype=mx.uint32)
+    want = [
+        t for t, _, _ in speculative_generate_step(prompt, model, max_tokens=6, num_draft_tokens=0)
+    ]
+    with dg.gpu_basis() as ledger:
+        steps = speculative_generate_step(prompt, model, max_tokens=6, num_draft_tokens=0)
+        next(steps)
+        prefill_syncs = 1  # the prompt's cache, written before the first step
+        assert len(ledger.syncs) == prefill_syncs + 1
+        for _ in steps:
+            pass
+    assert len(ledger.syncs) == prefill_syncs + 6
+    # Every step but the first was launched (async_eval) before the previous token was read.
+    assert ledger.launched > sum(ledger.syncs)
+    # Pipelining changes no token: greedy speculation (round by round) gives the same text.
+    spec = speculative_generate_step(
+        prompt, model, max_tokens=6, num_draft_tokens=3, draft_source="model"
+    )
+    assert [t for t, _, _ in spec] == want

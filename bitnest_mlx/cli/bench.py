@@ -99,14 +99,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--parts", action="store_true", help="DeepSeek-V4: time one decode step by model part"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_counts(p)
+    bench_modes.add_arguments(p)
+    return p
+
+
+def _add_counts(p: argparse.ArgumentParser) -> None:
+    """The flags that count instead of running: `--dispatches` and `--kernels`."""
+    p.add_argument(
+        "--dispatches",
+        action="store_true",
+        help="instead of running: the kernels a Mac launches per decode token (per layer, "
+        "outside the layers, by part; host syncs) for --model's draft and target steps, verify "
+        "passes of 2/4/8 rows and a speculative round, on the kernel and the pure path, beside "
+        "mlx-lm's Llama at 4 and 8 bits; and for the DeepSeek-V4 demo bundle (or --model's "
+        "bundle) beside mlx-lm's deepseek_v3. --model may also name a convert make-checkpoint "
+        "preset (llama-3.2-3b). Counted from the graph on the GPU basis (docs/bench.md)",
+    )
     p.add_argument(
         "--kernels",
         action="store_true",
         help="instead of a model: each Metal kernel's operation counts (CPU emulator; needs g++ "
         "and clang) as estimated cycles per weight against Apple GPUs' bandwidth budgets",
     )
-    bench_modes.add_arguments(p)
-    return p
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -31,23 +31,13 @@ def acceptance_pair(value: str) -> tuple[int | str, float]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of `--dispatches`, `--speed-model` and `--workloads`."""
+    """The flags of `--speed-model` and `--workloads`."""
     p.add_argument(
         "--speed-model",
         action="store_true",
         help="instead of running: --model's bytes per token (a package, or the package convert's "
         "defaults would write from a Hugging Face checkpoint's config.json; no weight is read) "
         "and the projected target-only and speculative tok/s on M1 / M2 Pro / M3 Max / M4 Max",
-    )
-    p.add_argument(
-        "--dispatches",
-        action="store_true",
-        help="instead of running: the kernels a Mac launches per decode token (per layer, "
-        "outside the layers, by part; host syncs) for --model's draft and target steps, verify "
-        "passes of 2/4/8 rows and a speculative round, on the kernel and the pure path, beside "
-        "mlx-lm's Llama at 4 and 8 bits; and for the DeepSeek-V4 demo bundle (or --model's "
-        "bundle) beside mlx-lm's deepseek_v3. --model may also name a convert make-checkpoint "
-        "preset (llama-3.2-3b). Counted from the graph on the GPU basis (docs/bench.md)",
     )
     p.add_argument(
         "--acceptance",

@@ -133,14 +133,7 @@ class NestedKVCache(_BaseCache):
         """Store K and V at `offset` and advance it; `keys`/`values` hold (hi, lo, scales),
         capacity-sized, the first `offset` positions valid."""
         prev, n = self.offset, keys.shape[2]
-        if self.quantized and keys.shape == values.shape:
-            # K and V quantized as one tensor (per group of one row, so the same values): a GPU
-            # launches the quantization's kernels once for both.
-            heads = keys.shape[1]
-            both = self._encode(mx.concatenate([keys, values], axis=1))
-            new_k, new_v = tuple(a[:, :heads] for a in both), tuple(a[:, heads:] for a in both)
-        else:
-            new_k, new_v = self._encode(keys), self._encode(values)
+        new_k, new_v = self._encode(keys), self._encode(values)
         if self.keys is None or prev + n > self.keys[0].shape[2]:
             grow = (self.step + n - 1) // self.step * self.step
 

@@ -176,6 +176,7 @@ class Ledger:
     open: list[int] = field(default_factory=list)  # kernels claimed inside each open call
     syncs: list[int] = field(default_factory=list)  # kernels evaluated at each sync
     launched: int = 0  # kernels evaluated at async_eval and the syncs
+    in_flight: set[int] = field(default_factory=set)  # ids of arrays async_eval launched
 
     def claim(self, part: str, inputs: Sequence[mx.array], outputs: Sequence[mx.array]) -> None:
         """Count the kernels `outputs` need beyond `inputs` as `part`'s (a call with no open
@@ -197,9 +198,16 @@ class Ledger:
         return Counter({**self.parts, rest: total - sum(self.parts.values())})
 
     def evaluated(self, arrays: Sequence[mx.array], sync: bool) -> None:
+        """Kernels launched by evaluating `arrays`; a sync (a host read) counts when it waits on
+        work: new kernels, or an array an `mx.async_eval` launched (kernels already counted)."""
         n = count(arrays)
         self.launched += n
-        if sync and n:
+        if not sync:
+            self.in_flight |= {id(a) for a in arrays}
+            return
+        waited = {id(a) for a in arrays} & self.in_flight
+        self.in_flight -= waited
+        if n or waited:
             self.syncs.append(n)
 
 
