@@ -11,8 +11,8 @@ one `Compiled...` primitive, so one kernel, as on Metal.
 Parts: while counting, `gpu_basis` can wrap the functions that make up a model's parts (norms,
 A8, projections...); the kernels a part's call creates (its outputs' graph beyond its inputs',
 minus the nodes an inner part already claimed) are that part's. Host syncs: `mx.eval`,
-`array.item()` and `array.tolist()` on an array that still has unevaluated work count as one
-each (`Syncs`), and the work they evaluate is counted there.
+`array.item()` and `array.tolist()` that wait on work (unevaluated, or launched by
+`mx.async_eval`) count as one each (`Ledger.syncs`), and the work they evaluate is counted there.
 
 What this does not see: a `Reshape` that copies a non-contiguous input (counted as a view), and
 kernels MLX itself splits (a two-pass reduction, the GEMV variants): MLX's Metal backend may
@@ -21,12 +21,14 @@ launch a few more than counted, never fewer.
 
 from __future__ import annotations
 
+import math
 import re
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -103,16 +105,15 @@ def arrays_in(obj: Any) -> list[mx.array]:
 # ---------------------------------------------------------------------------------------------
 # Stand-ins: one primitive that depends on every input and has the outputs' shapes.
 
-_zeros: dict[int, mx.array] = {}
 _EVAL = mx.eval  # the real one: gpu_basis counts calls to mx.eval as host syncs
 
 
+@cache
 def _pad(nbytes: int) -> mx.array:
     """Evaluated zero bytes (a source, not a node), one array per size."""
-    if nbytes not in _zeros:
-        _zeros[nbytes] = mx.zeros((nbytes,), dtype=mx.uint8)
-        _EVAL(_zeros[nbytes])
-    return _zeros[nbytes]
+    zeros = mx.zeros((nbytes,), dtype=mx.uint8)
+    _EVAL(zeros)
+    return zeros
 
 
 def stand_in(
@@ -123,23 +124,14 @@ def stand_in(
     heads = []
     for a in arrays_in(list(inputs)):
         one = a[tuple(slice(0, 1) for _ in a.shape)].reshape(1) if a.ndim else a.reshape(1)
-        if one.dtype == mx.bool_:
-            one = one.view(mx.uint8)
         heads.append(one.view(mx.uint8))
-    sizes = [max(1, _numel(s)) * d.size for s, d in zip(shapes, dtypes)]
+    sizes = [max(1, math.prod(s)) * d.size for s, d in zip(shapes, dtypes)]
     flat = mx.concatenate([*heads, _pad(sum(sizes))])[len(heads) :]
     outs, at = [], 0
     for shape, dtype, size in zip(shapes, dtypes, sizes):
         outs.append(flat[at : at + size].view(dtype).reshape(shape))
         at += size
     return outs
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _rms_norm(x, weight, eps):

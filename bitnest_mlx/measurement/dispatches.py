@@ -51,9 +51,6 @@ class Count:
     outside_parts: dict[str, float]
     syncs: int = 0
 
-    def total(self, layers: int) -> float:
-        return self.per_layer * layers + self.outside
-
     def as_dict(self) -> dict:
         return {
             "per_layer": self.per_layer,
@@ -88,9 +85,10 @@ def _store_result(cache, *args, **kwargs):
     return [*cache.keys, *cache.values]
 
 
-def bitnest_parts(model_module) -> list[tuple]:
+def bitnest_parts() -> list[tuple]:
     """The functions whose calls make up each part of a bitnest forward (dispatch_graph.part)."""
-    attention = model_module.Attention
+    from ..models.bitnest_llama import Attention as attention
+
     return [
         (dual_plane, "a8", "a8"),
         (dual_plane, "a8_codes", "a8"),
@@ -128,20 +126,13 @@ def _prompt(model: nn.Module, n: int = PREFILL) -> mx.array:
 
 
 def _prefilled(model: nn.Module, options: RunOptions | None) -> list:
-    """A cache holding PREFILL tokens; a bitnest or DeepSeek-V4 model (RunOptions), or an
-    mlx-lm model (options None)."""
-    if options is None:
-        cache = make_prompt_cache(model)
-        model(_prompt(model)[None], cache)
-    else:
-        cache = model.make_cache(options) if _takes_options(model) else model.make_cache()
-        model(_prompt(model)[None], cache, options=replace(options, use_kernels=False))
+    """A cache (the model's own kind, as mlx-lm makes it) holding PREFILL tokens, written on the
+    pure path; `options` None: an mlx-lm model, which takes none."""
+    cache = make_prompt_cache(model)
+    kw = {} if options is None else {"options": replace(options, use_kernels=False)}
+    model(_prompt(model)[None], cache, **kw)
     mx.eval([c.state for c in cache])
     return cache
-
-
-def _takes_options(model: nn.Module) -> bool:
-    return getattr(model, "supports_draft", False)
 
 
 Run = Callable[[nn.Module, list, RunOptions, dg.Ledger], list]
@@ -205,8 +196,6 @@ def bitnest_round(gamma: int = ROUND_GAMMA) -> Run:
 
 def count_bitnest(args, layers: tuple[int, int] = (2, 1)) -> dict:
     """Every bitnest step on both paths: {path: {step: Count}}."""
-    from ..models import bitnest_llama
-
     steps = {
         "draft": bitnest_step("draft"),
         "target": bitnest_step("target"),
@@ -219,7 +208,7 @@ def count_bitnest(args, layers: tuple[int, int] = (2, 1)) -> dict:
         out[path] = {}
         for name, run in steps.items():
             # A round's calls write the cache several times over: its parts would overlap.
-            parts = [] if name.startswith("round") else bitnest_parts(bitnest_llama)
+            parts = [] if name.startswith("round") else bitnest_parts()
             (hi, syncs), (lo, _) = (
                 measure(built[n], run, kernel=kernel, parts=parts) for n in layers
             )
@@ -259,12 +248,10 @@ def count_mlx_lm_llama(args, bits: int, layers: tuple[int, int] = (2, 1)) -> Cou
     return difference(hi, lo, layers)
 
 
-def dsv4_at(path, layers: int) -> nn.Module:
-    """A DeepSeek-V4 bundle's model cut to its first `layers` layers."""
+def cut_dsv4(model: nn.Module, layers: int) -> nn.Module:
+    """A DeepSeek-V4 model cut to its first `layers` layers (in place)."""
     from ..layers.pipeline import PipelineStage
-    from ..runtime.loader import load_model
 
-    model = load_model(path, dtype=DTYPE)
     model.layers = model.layers[:layers]
     model.stage = PipelineStage.whole(layers)
     return model
@@ -276,13 +263,20 @@ def dsv4_step(model, cache, options, ledger):
 
 
 def count_dsv4(path, layers: tuple[int, int] = (6, 3)) -> dict:
-    """A DeepSeek-V4 decode step on both paths: {path: Count}."""
-    built = {n: dsv4_at(path, n) for n in layers}
+    """A DeepSeek-V4 decode step on both paths: {path: Count}. The bundle is read once and
+    cut to `layers[0]`, then to `layers[1]` layers."""
+    from ..runtime.loader import load_model
+
+    model = load_model(path, dtype=DTYPE)
+    paths = (("kernel", True), ("pure", False))
+    counts = {}  # (layers, path) -> (kernels by part, syncs)
+    for n in sorted(layers, reverse=True):
+        cut_dsv4(model, n)
+        for name, kernel in paths:
+            counts[n, name] = measure(model, dsv4_step, kernel=kernel, parts=[])
     out = {}
-    for name, kernel in (("kernel", True), ("pure", False)):
-        (hi, syncs), (lo, _) = (
-            measure(built[n], dsv4_step, kernel=kernel, parts=[]) for n in layers
-        )
+    for name, _ in paths:
+        (hi, syncs), (lo, _) = (counts[n, name] for n in layers)
         out[name] = difference(hi, lo, layers, syncs)
     return out
 
