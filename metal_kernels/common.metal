@@ -16,6 +16,22 @@ inline float bn_magic(uint m) {
   return as_type<float>(0x4B000000u | m);
 }
 
+// v rounded to the nearest integer, ties to even, for |v| < 2^22: adding 1.5 · 2^23 leaves no
+// fraction bits, so the float add rounds (as rint does); subtracting it is exact. Two adds
+// instead of the rounding unit (MLX builds custom kernels without fast-math, which keeps it).
+inline float bn_round_even(float v) {
+  return (v + 12582912.0f) - 12582912.0f;
+}
+
+// What x's column c (of each 8) is multiplied by before it meets a code decoded in place: the
+// inverse of the code's power of two in its word, 16^-(c % 4) for W4 nibbles and
+// 256^-((c / 2) % 2) for W8 bytes (bn_decode_w4 / bn_decode_w8). Exact: a power of two.
+inline float bn_prescale(int c, bool target) {
+  if (target)
+    return (c / 2) % 2 ? 1.0f / 256.0f : 1.0f;
+  return 1.0f / float(1 << (4 * (c % 4)));
+}
+
 // The 8 W4 codes of word h, minus 8, each times 16^-(c % 4) (x is pre-scaled by the inverse):
 // out[c] = (nibble c - 8) · 16^(c % 4), exact.
 inline void bn_decode_w4(uint h, thread float* out) {

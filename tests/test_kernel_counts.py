@@ -12,6 +12,7 @@ from metal_emu.emulator import InlineSpec
 
 from bitnest_mlx import kernels
 from bitnest_mlx.cli import bench
+from bitnest_mlx.kernels.dual_plane import A8_IN_KERNEL_MAX_ROWS
 from bitnest_mlx.kernels.emulator import counting, emulate, profile
 from bitnest_mlx.measurement import kernel_costs
 from bitnest_mlx.runtime import chips
@@ -73,31 +74,38 @@ def test_a_planted_division_shows_in_the_dual_plane_counts():
     case = small_dual_plane_cases()[0]
     clean = profile.measure(case)["per_unit"]["div"]
     planted = profile.measure(
-        case,
-        mutate=lambda s: s.replace(
-            "xv[i] = x[m * K + k0 + i];", "xv[i] = x[m * K + k0 + i] / 3.0f;"
-        ),
+        case, mutate=lambda s: s.replace("bn_round_even(xv[i] * inv)", "bn_round_even(xv[i] / a)")
     )["per_unit"]["div"]
-    assert clean == 0
+    # A8 divides once per token's scale, not once per x value.
+    assert clean < 0.02
     # One division per x value loaded: each is reused by the simdgroup's 4 rows.
-    assert planted == pytest.approx(1 / 4, rel=0.05)
+    assert planted - clean == pytest.approx(1 / 4, rel=0.05)
 
 
 @needs_compilers
 @pytest.mark.parametrize("index", range(4), ids=["draft-M1", "target-M1", "draft-M4", "target-M4"])
 def test_dual_plane_per_weight_token_has_no_division_rounding_or_conversion(index):
     """Per weight and token: one FMA against the decoded code, the decode's one subtract shared
-    by the M tokens, and the weight scale once per lane's 16 columns; nothing on the slow pipe."""
+    by the M tokens, and the weight scale once per lane's 16 columns. A8 inside the launch (up
+    to A8_IN_KERNEL_MAX_ROWS tokens) adds 4 float operations per x value (times its reciprocal
+    scale, the two adds that round it, its column's power of two), shared by the simdgroup's 4
+    rows; wider passes read a8_quantize's codes (the power of two only), whose one division and
+    rounding per x value are shared by all N = 16 rows. Nothing else on the slow pipe."""
     case = small_dual_plane_cases()[index]
     r = profile.measure(case)
     p = r["per_unit"]
     m = 1 if "M=1" in case.name else 4
-    assert p["div"] == p["round"] == p["convert"] == 0
+    in_launch = m <= A8_IN_KERNEL_MAX_ROWS
+    assert r["launches"] == (1 if in_launch else 2)
+    assert p["convert"] == 0
+    assert p["round"] == (0 if in_launch else pytest.approx(1 / 16))
+    assert p["div"] < (0.02 if in_launch else 1 / 16 + 0.01)  # + a scale per token or group
     float_ops = p["fma"] + p["fadd"] + p["fmul"]
     epilogue = 0.05  # the scales after each row's simd_sum, over K = 1536
-    assert float_ops <= 1 + 1 / m + 1 / 16 + epilogue
-    assert float_ops <= 2 + 1 / 16 + epilogue
-    assert p["int_mul"] < 0.05
+    a8 = 4 / 4 if in_launch else 1 / 4
+    assert float_ops <= 1 + 1 / m + 1 / 16 + a8 + epilogue
+    assert float_ops <= 2 + 1 / 16 + a8 + epilogue
+    assert p["int_mul"] < 0.1  # row offsets once per lane's 16 columns, never per weight
 
 
 @needs_compilers
@@ -109,12 +117,16 @@ def test_gate_up_epilogue_adds_one_exp_and_one_division_per_output_and_token(nam
     r = profile.measure(case)
     p = r["per_unit"]
     m, k = (1 if "M=1" in name else 4), 1536
-    assert r["launches"] == 1
-    assert p["round"] == p["convert"] == 0
+    plain = profile.measure(small_dual_plane_cases()[0 if m == 1 else 3])
+    assert r["launches"] == plain["launches"]
+    assert p["convert"] == 0
     assert p["transcendental"] == pytest.approx(1 / (2 * k))
-    assert p["div"] == pytest.approx(1 / (2 * k))
+    # The A8 work per x value is shared by twice the rows (gate and up) of the plain case.
+    a8_div, a8_round = plain["per_unit"]["div"], plain["per_unit"]["round"]
+    assert p["div"] == pytest.approx(1 / (2 * k) + a8_div / (1 if m == 1 else 2), abs=2e-3)
+    assert p["round"] == pytest.approx(a8_round / 2)
     float_ops = p["fma"] + p["fadd"] + p["fmul"]
-    assert float_ops <= 1 + 1 / m + 1 / 16 + 0.05
+    assert float_ops <= 1 + 1 / m + 1 / 16 + 4 / 4 + 0.05
 
 
 def test_chip_budget_is_alus_times_clock_per_streamed_byte():

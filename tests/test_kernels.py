@@ -68,14 +68,12 @@ def dual_plane_case(m, n, k, weight_group, draft, act, dtype, seed):
     group = act
 
     def call(runner, mutate=None):
-        run = runner if mutate is None else (lambda launch: runner(launch, mutate))
+        run = with_mutation(runner, mutate)  # a8_quantize's launch runs as it is
         if group is None:
             return kernels.dual_plane_matmul(x, lin.hi, lin.lo, lin.scales, draft=draft, runner=run)
-        codes, a_scale = a8_codes(x, group)
-        y = kernels.dual_plane_matmul(
-            codes, lin.hi, lin.lo, lin.scales, draft=draft, a_scale=a_scale, runner=run
+        return kernels.dual_plane_matmul(
+            x, lin.hi, lin.lo, lin.scales, draft=draft, a8_group=group, runner=run
         )
-        return y.astype(x.dtype)
 
     pure = RunOptions("draft" if draft else "target", group is not None, use_kernels=False)
     return call, lin(x, pure, a8_group=-1 if group is None else group)
@@ -186,6 +184,10 @@ DUAL_PLANE = {
     "m1_target_float_x_g64_k576": (1, 6, 576, 64, False, None, mx.float32),
     "m2_draft_a8_head64_g32_k192": (2, 7, 192, 32, True, 64, mx.float32),
     "m3_target_a8_group_g32_fp16": (3, 9, 640, 32, False, 128, mx.float16),
+    # Up to A8_IN_KERNEL_MAX_ROWS rows quantize inside the launch; the rest launch a8_quantize.
+    "m1_draft_a8_token_in_launch_k640": (1, 13, 640, 128, True, -1, mx.float32),
+    "m2_target_a8_token_in_launch_fp16": (2, 9, 1152, 64, False, -1, mx.float16),
+    "m2_target_a8_head128_in_launch_k384": (2, 5, 384, 32, False, 128, mx.float32),
 }
 # B, Hq, Hkv, L, D, n_kv, t_cap, group, draft[, dtype, key splits (None: the launch's choice)]
 F32 = mx.float32
@@ -254,6 +256,35 @@ def test_kernel_matches_pure_path_in_emulator(kind, name):
     got = call(emulator.run)
     assert got.shape == want.shape
     assert close(got, want, rel), float(mx.abs(got - want).max())
+
+
+@needs_cxx
+@pytest.mark.parametrize("group", [-1, 64, 96])
+def test_a8_quantize_launch_equals_numerics_a8_codes_bit_for_bit(group):
+    x = mx.random.normal((3, 384), key=mx.random.key(4)) * 5
+    x[1, :] = 0  # an all-zero row: scale 1, codes 0
+    want_q, want_scale = a8_codes(x, group)
+    got_q, got_scale = kernels.a8_quantize(x, group, runner=emulator.run)
+    assert mx.array_equal(got_q, want_q) and mx.array_equal(got_scale, want_scale)
+
+
+@needs_cxx
+def test_emulator_test_fails_when_a8_in_the_launch_rounds_half_away_from_zero():
+    x = mx.full((2, 1152), 0.0)
+    # One shared amax of 127 makes every x / a an exact k + 0.5 tie below it.
+    x = x + mx.arange(1152).reshape(1, -1) % 7 + 0.5
+    x[:, 0] = 127.0
+    lin = dual_plane.random_linear(1152, 8, 64, seed=3)
+    args = (x, lin.hi, lin.lo, lin.scales)
+    want = lin(x, RunOptions("target", True, use_kernels=False))
+
+    def run(mutate=None):
+        runner = emulator.run if mutate is None else (lambda la: emulator.run(la, mutate))
+        return kernels.dual_plane_matmul(*args, draft=False, a8_group=-1, runner=runner)
+
+    assert close(run(), want)
+    away = run(lambda s: s.replace("(v + 12582912.0f) - 12582912.0f", "metal::round(v)"))
+    assert not close(away, want)
 
 
 # One planted bug per kernel: the comparison above must notice each.
@@ -632,9 +663,8 @@ def msl_checker():
 
 
 def test_syntax_check_passes_every_generated_kernel(generated_sources, msl_checker):
-    assert {s.split("custom_kernel_")[1].split("__")[0] for s in generated_sources} == {
-        spec.name for spec in kernels.SPECS
-    }
+    for spec in kernels.SPECS:  # every kernel is among the cases (names: spec, then types)
+        assert any(f"custom_kernel_{spec.name}_" in name for name in generated_sources), spec.name
     for name, src in generated_sources.items():
         r = syntax.check(src, msl_checker)
         assert r.returncode == 0, f"{name} ({msl_checker[0]}):\n{r.stderr[-3000:]}"
@@ -643,8 +673,14 @@ def test_syntax_check_passes_every_generated_kernel(generated_sources, msl_check
 @pytest.mark.parametrize("spec", kernels.SPECS, ids=lambda s: s.name)
 def test_syntax_check_catches_a_planted_typo(generated_sources, msl_checker, spec):
     src = next(s for s in generated_sources.values() if f"custom_kernel_{spec.name}_" in s)
-    # A misspelt builtin, its semicolon dropped, in the kernel's first simd_sum, barrier or exp.
-    builtins = ("metal::simd_sum(", "metal::threadgroup_barrier(", "metal::exp(")
+    # A misspelt builtin, its semicolon dropped, in the kernel's first simd_sum, barrier, exp
+    # or simd_max.
+    builtins = (
+        "metal::simd_sum(",
+        "metal::threadgroup_barrier(",
+        "metal::exp(",
+        "metal::simd_max(",
+    )
     call = next(b for b in builtins if b in src)
     start = src.index(call)
     end = src.index(";", start)

@@ -8,7 +8,9 @@ this machine? A short Markdown report to paste into an issue (`--json`: the same
 * the demo package decoded greedily with kernels on and off (same tokens? tok/s of each), and
   its draft / target / speculative tok/s;
 * the verify cost v(M) for M = 1, 2, 4, 8, 16 rows, timed on both paths, beside the speed
-  model's table for this chip (`doctor_verify`).
+  model's table for this chip (`doctor_verify`);
+* the step costs t_k (a kernel) and t_sync (a host sync), timed on chains of tiny dependent
+  kernels, beside the step-time model's constants for this chip (`doctor_launch`).
 
 Off Metal the kernels are reported unavailable and only the pure-MLX part runs (`--emulator`
 runs their self-tests in the CPU emulator instead, which needs g++). Under a minute on a Mac:
@@ -39,6 +41,8 @@ from .args import positive_int
 from .blas import INSTALL
 from .blas import status as openblas_status
 from .doctor_kernels import run_checks
+from .doctor_launch import launch_report
+from .doctor_launch import markdown as launch_markdown
 from .doctor_verify import markdown as verify_markdown
 from .doctor_verify import verify_report
 
@@ -177,6 +181,7 @@ def collect(args: argparse.Namespace, runner: kernels.Runner | None = None) -> d
     # Off Metal a pass is compute-bound and slow: fewer replays say as much.
     repeats = args.repeats if sysinfo["metal"] else min(args.repeats, 3)
     report["verify_cost"] = verify_report(report["kernels"]["available"], sysinfo["chip"], repeats)
+    report["step_costs"] = launch_report(sysinfo["chip"] if sysinfo["metal"] else None, repeats)
     report["seconds"] = time.perf_counter() - tic
     return report
 
@@ -248,6 +253,7 @@ def markdown(r: dict) -> str:
         f"(acceptance {100 * d['acceptance']:.0f} %) |",
         "",
         *verify_markdown(r["verify_cost"]),
+        *launch_markdown(r["step_costs"]),
         f"took {r['seconds']:.1f} s",
     ]
     return "\n".join(lines)

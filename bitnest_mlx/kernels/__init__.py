@@ -7,10 +7,12 @@ the kernel or the pure path serves a call.
 
 from .dispatch import SelfTest, check, record, report, use
 from .dual_plane import (
+    A8_QUANTIZE,
     DUAL_PLANE,
     LANE_COLS,
     MAX_M,
     a8_fusable,
+    a8_quantize,
     dual_plane_matmul,
     dual_plane_supported,
 )
@@ -35,9 +37,10 @@ from .nested_kv import (
     nested_kv_supported,
 )
 
-SPECS = (DUAL_PLANE, NESTED_KV, NESTED_KV_MERGE, MXTQ_GATHER, MXTQ_SWIGLU, HADAMARD)
+SPECS = (DUAL_PLANE, A8_QUANTIZE, NESTED_KV, NESTED_KV_MERGE, MXTQ_GATHER, MXTQ_SWIGLU, HADAMARD)
 
 __all__ = [
+    "A8_QUANTIZE",
     "DUAL_PLANE",
     "HADAMARD",
     "LANE_COLS",
@@ -54,6 +57,7 @@ __all__ = [
     "Runner",
     "SelfTest",
     "a8_fusable",
+    "a8_quantize",
     "check",
     "dual_plane_matmul",
     "dual_plane_supported",

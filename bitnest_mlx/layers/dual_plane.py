@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
-from ..formats.bitnest.numerics import SEED_GROUP_SIZE, WEIGHT_GROUPS, a8, a8_codes, nested
+from ..formats.bitnest.numerics import SEED_GROUP_SIZE, WEIGHT_GROUPS, a8, nested
 from . import plane_stack
 from .options import RunOptions
 
@@ -55,9 +55,9 @@ class DualPlaneLinear(nn.Module):
         token (a8_group = -1) or per `a8_group` columns first."""
         return project(x, (self,), options, a8_group)[0]
 
-    def _kernel(self, x: mx.array, a_scale: mx.array | None, draft: bool) -> mx.array:
+    def _kernel(self, x: mx.array, a8_group: int | None, draft: bool) -> mx.array:
         return kernels.dual_plane_matmul(
-            x, self.hi, self.lo, self.scales, draft=draft, a_scale=a_scale
+            x, self.hi, self.lo, self.scales, draft=draft, a8_group=a8_group
         )
 
     def _qmm(self, x: mx.array, plane: mx.array) -> mx.array:
@@ -170,20 +170,20 @@ def _through(
         x_in = x if group is None else a8(x, group)
         ys = [lin._pure(x_in, o.draft, o.dense_min_rows) for lin in linears]
         return _finish(linears, ys, "pure", gate_up)
-    if group is not None and kernels.a8_fusable(group, x.shape[-1]):
-        x_in, a_scale = a8_codes(x, group)
-    else:
-        x_in, a_scale = (x if group is None else a8(x, group)), None
+    # A8 inside the launch where the kernel can reduce the group's scale, else quantized first.
+    fusable = group is not None and kernels.a8_fusable(group, x.shape[-1])
+    x_in = x if fusable or group is None else a8(x, group)
+    a8_group = group if fusable else None
     if not plane_stack.stackable(linears):
-        ys = [lin._kernel(x_in, a_scale, o.draft).astype(x.dtype) for lin in linears]
+        ys = [lin._kernel(x_in, a8_group, o.draft) for lin in linears]
         return _finish(linears, ys, "kernel", gate_up)
     s = plane_stack.stacked_planes(linears)
     # SiLU·up in the epilogue needs gate and up of one width and no bias between dot and SiLU.
     fused = gate_up and linears[0].hi.shape == linears[1].hi.shape
     fused = fused and not any("bias" in lin for lin in linears)
     y = kernels.dual_plane_matmul(
-        x_in, s.hi, s.lo, s.scales, draft=o.draft, a_scale=a_scale, gate_up=fused
-    ).astype(x.dtype)
+        x_in, s.hi, s.lo, s.scales, draft=o.draft, a8_group=a8_group, gate_up=fused
+    )
     if fused:
         for _ in linears:
             kernels.record("dual_plane", "kernel")
@@ -219,9 +219,8 @@ def matmul_self_test(
     k, n = (4096, 4096) if big else (1152, 12)
     lin = random_linear(k, n, group_size, seed=seed)
     x = mx.random.normal((rows, k), key=mx.random.key(10 + seed))
-    codes, a_scale = a8_codes(x, a_group)
     got = kernels.dual_plane_matmul(
-        codes, lin.hi, lin.lo, lin.scales, draft=draft, a_scale=a_scale, runner=runner
+        x, lin.hi, lin.lo, lin.scales, draft=draft, a8_group=a_group, runner=runner
     )
     return got, lin._pure(a8(x, a_group), draft=draft)
 
@@ -236,14 +235,13 @@ def grouped_self_test(
     widths = ((8192, 8192) if gate_up else (3072, 1024, 1024)) if big else small
     lins = [random_linear(k, n, 128, seed=20 + i) for i, n in enumerate(widths)]
     x = mx.random.normal((4, k), key=mx.random.key(30))
-    codes, a_scale = a8_codes(x)
     got = kernels.dual_plane_matmul(
-        codes,
+        x,
         mx.concatenate([lin.hi for lin in lins]),
         mx.concatenate([lin.lo for lin in lins]),
         mx.concatenate([lin.scales for lin in lins]),
         draft=False,
-        a_scale=a_scale,
+        a8_group=-1,
         gate_up=gate_up,
         runner=runner,
     )

@@ -51,6 +51,10 @@ class Count:
     outside_parts: dict[str, float]
     syncs: int = 0
 
+    def per_token(self, layers: int) -> float:
+        """Kernels of the whole step at `layers` layers (step_time.Step's kernels)."""
+        return self.per_layer * layers + self.outside
+
     def as_dict(self) -> dict:
         return {
             "per_layer": self.per_layer,
@@ -91,7 +95,6 @@ def bitnest_parts() -> list[tuple]:
 
     return [
         (dual_plane, "a8", "a8"),
-        (dual_plane, "a8_codes", "a8"),
         (dual_plane, "_finish", lambda lins, ys, path, gate_up: "mlp" if gate_up else "projection"),
         (dual_plane, "_through", "projection"),
         (attention, "_rotate", "rope"),
@@ -318,4 +321,92 @@ def count_deepseek_v3(config: dict, layers: tuple[int, int] = (6, 3)) -> Count:
         measure(deepseek_v3_peer_at(config, n), mlx_lm_step, kernel=False, parts=mlx_lm_parts())
         for n in layers
     )
+    return difference(hi, lo, layers)
+
+
+# ---------------------------------------------------------------------------------------------
+# mlx-lm's qwen3 at a published model's dims: the kernel count the step-time fit reads
+# (measurement/step_fit.py, docs/step-time.md).
+
+# mlx-lm >= 0.30.4 (its PR #753): one compiled SwiGLU; before: silu(gate) * up, two kernels
+QWEN3_MLP = ("swiglu", "silu_mul")
+
+
+def _dequantize(w, scales, biases=None, group_size=None, bits=None, mode="affine", **kw):
+    """mx.dequantize as a Mac runs it: one kernel. On the GPU MLX builds it as one
+    `fast::Quantize` primitive; only the CPU backend expands it to shifts and masks (about 20
+    primitives), which would inflate a quantized embedding's count."""
+    shape = (*w.shape[:-1], w.shape[-1] * 32 // (bits or 4))
+    return dg.stand_in([w, scales, biases], [shape], [scales.dtype])[0]
+
+
+def _silu_mul(self, x):
+    # mlx-lm < 0.30.4's qwen3 MLP: nn.silu (compiled, one kernel) times up (one more)
+    return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def qwen3_peer_at(config: dict, layers: int, bits: int | None, group_size: int = 64) -> nn.Module:
+    """mlx-lm's `qwen3` on `config`'s dims (a Hugging Face config), `layers` layers, zero
+    weights in bfloat16 (the published checkpoints' dtype), nn.quantize at `bits` (None: bf16)."""
+    from mlx.utils import tree_map
+    from mlx_lm.models import qwen3
+
+    fields = set(qwen3.ModelArgs.__dataclass_fields__)
+    args = qwen3.ModelArgs(**{k: v for k, v in config.items() if k in fields})
+    args.num_hidden_layers = layers
+    model = qwen3.Model(args)
+    # Zeros, not random: the count reads shapes only, and drawing 4e8 weights takes seconds.
+    model.update(tree_map(lambda a: mx.zeros(a.shape, mx.bfloat16), model.parameters()))
+    if bits is not None:
+        nn.quantize(model, group_size=group_size, bits=bits)
+    mx.eval(model.parameters())
+    return model
+
+
+def mlx_lm_generate_step(model, cache, options, ledger):
+    """One token of mlx-lm's generate_step at temperature 0: the model on last step's token (an
+    evaluated array, as mlx-lm's pipelined loop feeds it), log-probabilities, argmax."""
+    token = mx.array([[0]], dtype=mx.uint32)
+    logits = model(token, cache)[:, -1, :]
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)
+    y = mx.argmax(logprobs, axis=-1)
+    ledger.claim("sampling", [logits], [logprobs, y])
+    return [y, logprobs]
+
+
+def qwen3_parts() -> list[tuple]:
+    return [
+        *mlx_lm_parts(),
+        (nn.Linear, "__call__", "projection"),  # bf16
+        (nn.QuantizedEmbedding, "__call__", "embedding"),
+        (nn.QuantizedEmbedding, "as_linear", "head"),
+        (nn.Embedding, "__call__", "embedding"),
+        (nn.Embedding, "as_linear", "head"),
+    ]
+
+
+def count_mlx_lm_qwen3(
+    config: dict,
+    bits: int | None,
+    group_size: int = 64,
+    layers: tuple[int, int] = (2, 1),
+    mlp: str = "swiglu",
+) -> Count:
+    """Kernels of one mlx-lm decode token of `qwen3` at `config`'s dims (per layer, outside):
+    nn.quantize at `bits` (None: bf16); `mlp` picks mlx-lm's MLP form (QWEN3_MLP)."""
+    from mlx_lm.models import qwen3
+
+    if mlp not in QWEN3_MLP:
+        raise ValueError(f"mlp must be one of {QWEN3_MLP}, got {mlp!r}")
+    call = _silu_mul if mlp == "silu_mul" else qwen3.MLP.__call__
+    counts = []
+    for n in layers:
+        model = qwen3_peer_at(config, n, bits, group_size)
+        with mock.patch.object(mx, "dequantize", _dequantize):
+            with mock.patch.object(qwen3.MLP, "__call__", call):
+                counts.append(
+                    measure(model, mlx_lm_generate_step, kernel=False, parts=qwen3_parts())
+                )
+        del model  # a real-dims model: free it before building the next
+    (hi, _), (lo, _) = counts
     return difference(hi, lo, layers)

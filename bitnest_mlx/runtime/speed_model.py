@@ -19,6 +19,11 @@ v(M) per chip family and per path:
 
 At long context the verify pass also reads the KV cache: `kv_fraction` (KV bytes / weight bytes
 of the pass) weighs in the nested-KV attention kernel's counts at L = M rows (`KV8_CYCLES`).
+
+Bytes alone leave out what a Mac spends launching kernels and waiting on the host: a CostModel
+given the draft's and target's `step_time.Step` (bytes, kernels; `step_cost_model`) prices each
+pass as bytes · v(M) / (f · bandwidth) + kernels · t_k and each round's host syncs at t_sync
+(runtime/step_time.py, docs/step-time.md).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from dataclasses import dataclass
 from ..kernels.dual_plane import MAX_M
 from .chips import family as chip_family
 from .chips import gpu
+from .step_time import Step, StepConstants, step_seconds
+from .step_time import constants as step_constants
 
 PATHS = ("kernel", "pure")
 DEFAULT_CHIP = "M4 Max"  # the chip the projections and the seeded controller assume
@@ -53,10 +60,12 @@ PURE_VERIFY: dict[str, dict[int, float]] = {
     "M3+": {1: 1.0, 2: 1.05, 3: 1.2, 4: 1.4, 5: 1.75, 6: 2.0, 8: 2.6, 9: 3.1, 10: 4.0, 16: 4.0},
 }
 
-# Lane-cycles per weight·row of the dual-plane kernel's target pass (both planes, A8, group 64,
-# K = 3072, 64 rows) at M rows, counted in the CPU emulator (`bench --kernels` machinery,
-# kernels/emulator/profile.py with M set); lane-cycle costs per operation: profile.CYCLES.
-KERNEL_CYCLES = {1: 5.993, 2: 3.596, 3: 2.799, 4: 2.404, 6: 2.007, 8: 1.81}
+# Lane-cycles per weight·row of the dual-plane kernel's target pass (both planes, A8 per token
+# on fp16 x, group 64, K = 3072, 64 rows) at M rows, counted in the CPU emulator (`bench
+# --kernels` machinery, kernels/emulator/profile.py with M set); lane-cycle costs per
+# operation: profile.CYCLES. Up to 2 rows the launch quantizes x itself (every simdgroup all of
+# it: the M = 1, 2 costs); from 3 rows an a8_quantize launch goes first (counted, over 64 rows).
+KERNEL_CYCLES = {1: 9.22, 2: 6.797, 3: 3.713, 4: 3.318, 6: 2.921, 8: 2.724}
 KERNEL_STREAM_BYTES = 1 + 2 / 64  # per weight: a byte of the two nibble planes, fp16 scale / 64
 # Lane-cycles per KV element·row of the nested-KV attention kernel reading KV8 at L rows
 # (two launches; 512 cached tokens, head_dim 128, group 64, GQA 3), same counting: the "KV8 L=…"
@@ -213,22 +222,107 @@ class Round:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Round costs in target steps: draft calls at c · v(rows), verify at v(drafted + 1)."""
+    """Round costs in target steps.
+
+    Bytes only (`target_step` None): draft calls at c · v(rows), verify at v(drafted + 1).
+
+    Step time (`target_step` and `draft_step`, `step_time.Step`: bytes, kernels): each pass costs
+    its bytes' time · v(rows) plus its kernels · t_k (v(M) scales the bytes only: M rows launch
+    one step's kernels), a round adds `round_syncs` host syncs · t_sync (the acceptance read),
+    all over a target-only step: its bytes, kernels and `target_step.syncs` (0 when decoding is
+    pipelined with mx.async_eval, as mlx-lm's generate_step and ours: each token's read waits
+    on work already launched with the next step queued behind it). `constants` (default:
+    `step_time.constants(chip)`) may carry a doctor's t_k and t_sync for this Mac."""
 
     cost_ratio: float
     chip: str = DEFAULT_CHIP
     path: str = DEFAULT_PATH
     kv_fraction: float = 0.0
     experts: ExpertTraffic | None = None  # a MoE: its passes read the experts' union
+    target_step: Step | None = None
+    draft_step: Step | None = None
+    round_syncs: float = 1.0
+    constants: StepConstants | None = None
+
+    def __post_init__(self):
+        if (self.target_step is None) != (self.draft_step is None):
+            raise ValueError("give both target_step and draft_step, or neither (bytes only)")
+
+    @property
+    def timed(self) -> bool:
+        """Priced by step time (bytes, kernels, syncs) rather than bytes alone."""
+        return self.target_step is not None
 
     def verify(self, rows: int) -> float:
+        """v(M): the bytes of an M-row target pass over a 1-row one (`verify_cost`)."""
         return verify_cost(rows, self.chip, self.path, self.kv_fraction, self.experts)
 
+    def _step_constants(self) -> StepConstants:
+        return self.constants or step_constants(self.chip)
+
+    def _pass(self, step: Step, rows: int) -> float:
+        """Seconds of one pass of `rows` rows: v(rows) on the bytes, one step's kernels."""
+        c = self._step_constants()
+        return c.bytes_seconds(step.nbytes) * self.verify(rows) + step.kernels * c.t_kernel
+
+    def target_seconds(self) -> float:
+        """Seconds of a target-only step, the unit of every cost here (step time only)."""
+        return step_seconds(self.target_step, self._step_constants())
+
+    def verify_pass(self, rows: int) -> float:
+        """A target pass of `rows` rows in target steps: v(rows) when bytes only."""
+        if not self.timed:
+            return self.verify(rows)
+        return self._pass(self.target_step, rows) / self.target_seconds()
+
     def draft(self, calls: Sequence[int]) -> float:
-        return self.cost_ratio * sum(self.verify(r) for r in calls)
+        if not self.timed:
+            return self.cost_ratio * sum(self.verify(r) for r in calls)
+        return sum(self._pass(self.draft_step, r) for r in calls) / self.target_seconds()
+
+    def syncs(self) -> float:
+        """A round's host syncs in target steps (0 when bytes only)."""
+        if not self.timed:
+            return 0.0
+        return self.round_syncs * self._step_constants().t_sync / self.target_seconds()
 
     def round(self, r: Round) -> float:
-        return self.draft(r.draft_calls) + self.verify(r.drafted + 1)
+        return self.draft(r.draft_calls) + self.verify_pass(r.drafted + 1) + self.syncs()
+
+    def chain(self, gamma: int) -> float:
+        """A round drafting a chain of γ one-row calls: γ · c + v(γ + 1) when bytes only."""
+        if not self.timed:
+            return gamma * self.cost_ratio + self.verify(gamma + 1)
+        return self.round(Round("model", gamma, 0, (1,) * gamma))
+
+
+def step_cost_model(
+    target_bytes: float,
+    draft_bytes: float,
+    target_kernels: float,
+    draft_kernels: float,
+    chip: str = DEFAULT_CHIP,
+    path: str = DEFAULT_PATH,
+    kv_fraction: float = 0.0,
+    round_syncs: float = 1.0,
+    target_syncs: float = 0.0,
+    constants: StepConstants | None = None,
+    experts: ExpertTraffic | None = None,
+) -> CostModel:
+    """A step-time CostModel for `chip` from a package's bytes per token (roofline, at the
+    context the rounds run at; `kv_fraction` its KV share of the verify pass) and its kernels
+    per token (`bench --dispatches`: per layer x layers + outside)."""
+    return CostModel(
+        draft_bytes / target_bytes,
+        chip,
+        path,
+        kv_fraction,
+        experts,
+        target_step=Step(target_bytes, target_kernels, target_syncs),
+        draft_step=Step(draft_bytes, draft_kernels),
+        round_syncs=round_syncs,
+        constants=constants,
+    )
 
 
 def rounds_speedup(rounds: Sequence[Round], cost: CostModel) -> float | None:
@@ -264,15 +358,7 @@ SPEEDUP_GAMMAS = range(1, 9)  # the draft lengths a projection may pick
 
 def best_iid_speedup(alpha: float, cost: CostModel) -> tuple[float, int]:
     """(projected speedup, γ) at the best γ of SPEEDUP_GAMMAS for i.i.d. acceptance α."""
-    return max(
-        (
-            projected_speedup(
-                iid_tokens_per_round(alpha, g), g, cost.cost_ratio, cost.verify(g + 1)
-            ),
-            g,
-        )
-        for g in SPEEDUP_GAMMAS
-    )
+    return max((iid_tokens_per_round(alpha, g) / cost.chain(g), g) for g in SPEEDUP_GAMMAS)
 
 
 def speed_model(
@@ -281,23 +367,25 @@ def speed_model(
     tokens_per_round: Mapping[int, float | None],
     chip: str = DEFAULT_CHIP,
     path: str = DEFAULT_PATH,
+    cost: CostModel | None = None,
 ) -> dict:
     """Projected speedup on `chip` at each γ of `tokens_per_round`, from the measured tokens
     per round (None: not measured) and from the i.i.d. formula with per-draft acceptance
-    `alpha`; the best γ of each, and the v(M) used."""
-    cost = CostModel(bytes_per_token["draft"] / bytes_per_token["target"], chip, path)
+    `alpha`; the best γ of each, and the v(M) used. `cost` (e.g. `step_cost_model`) replaces
+    the bytes-only model built from `bytes_per_token`; its chip and path are then reported."""
+    if cost is None:
+        cost = CostModel(bytes_per_token["draft"] / bytes_per_token["target"], chip, path)
+    chip, path = cost.chip, cost.path
     rows = {}
     for gamma, measured in sorted(tokens_per_round.items()):
         iid = iid_tokens_per_round(alpha, gamma)
-        v = cost.verify(gamma + 1)
+        spent = cost.chain(gamma)
         rows[str(gamma)] = {
-            "verify_cost": v,
+            "verify_cost": cost.verify(gamma + 1),
             "measured_tokens_per_round": measured,
-            "measured_speedup": None
-            if measured is None
-            else projected_speedup(measured, gamma, cost.cost_ratio, v),
+            "measured_speedup": None if measured is None else measured / spent,
             "iid_tokens_per_round": iid,
-            "iid_speedup": projected_speedup(iid, gamma, cost.cost_ratio, v),
+            "iid_speedup": iid / spent,
         }
     measured_rows = [g for g in rows if rows[g]["measured_speedup"] is not None]
     best = max(measured_rows, key=lambda g: rows[g]["measured_speedup"], default=None)

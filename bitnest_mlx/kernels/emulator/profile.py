@@ -78,8 +78,8 @@ def dual_plane_cases(n: int = 64, k: int = 3072, group: int = 128) -> list[Case]
                     "weight·token",
                     n * k * m,
                     (plane + 2 / group) / m,
-                    lambda r, x=x, draft=draft: dual_plane.dual_plane_a8_matmul(
-                        x, hi, lo, scales, draft=draft, runner=r
+                    lambda r, x=x, draft=draft: dual_plane.dual_plane_matmul(
+                        x, hi, lo, scales, draft=draft, a8_group=-1, runner=r
                     ),
                 )
             )
@@ -96,8 +96,8 @@ def dual_plane_cases(n: int = 64, k: int = 3072, group: int = 128) -> list[Case]
                 "weight·token",
                 2 * n * k * m,
                 (plane + 2 / group) / m,
-                lambda r, x=x, draft=draft: dual_plane.dual_plane_a8_matmul(
-                    x, *gate_up, draft=draft, gate_up=True, runner=r
+                lambda r, x=x, draft=draft: dual_plane.dual_plane_matmul(
+                    x, *gate_up, draft=draft, a8_group=-1, gate_up=True, runner=r
                 ),
             )
         )
