@@ -18,7 +18,7 @@ from bitnest_mlx.formats.bitnest import LAYER_LINEARS, PackageSpec, norm_names
 from bitnest_mlx.formats.bitnest.draft_vocab import DRAFT_VOCAB
 from bitnest_mlx.layers.draft_vocab import DraftVocabHead
 from bitnest_mlx.layers.dual_plane import DualPlaneLinear, project, swiglu
-from bitnest_mlx.layers.hadamard import OnlineHadamard
+from bitnest_mlx.layers.hadamard import OnlineHadamard, r3, rotate_heads
 from bitnest_mlx.layers.nested_kv import NestedKVCache
 from bitnest_mlx.layers.options import RunOptions
 
@@ -68,9 +68,14 @@ class Attention(nn.Module):
     def _rotate(self, x: mx.array, offset: int) -> mx.array:
         """RoPE from position `offset`, then R3 (per-head Hadamard, fp32) when enabled."""
         x = self.rope(x, offset=offset)
-        if self.r3:
-            x = mx.hadamard_transform(x.astype(mx.float32)).astype(x.dtype)
-        return x
+        return r3(x) if self.r3 else x
+
+    def _rotate_qk(
+        self, q: mx.array, k: mx.array, offset: int, o: RunOptions
+    ) -> tuple[mx.array, mx.array]:
+        """`_rotate` of q and k, their R3 in one call."""
+        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        return rotate_heads(q, k, o.use_kernels) if self.r3 else (q, k)
 
     def _k_offset(self, n: int, start: Any, dtype: mx.Dtype) -> mx.array:
         """Qwen2's k bias as it would sit in the cache's n slots, slot 0 at position `start`
@@ -113,7 +118,7 @@ class Attention(nn.Module):
             k = k - self.k_proj.bias
         k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q, k = self._rotate(q, cache.offset), self._rotate(k, cache.offset)
+        q, k = self._rotate_qk(q, k, cache.offset, o)
         k_offset = None
         if self.k_bias_offset:  # cache.offset - cache.size(): the position of the cache's slot 0
             start = cache.offset - cache.size()

@@ -25,7 +25,7 @@ import bitnest_mlx
 from bitnest_mlx import kernels
 from bitnest_mlx.formats.bitnest import a8_codes
 from bitnest_mlx.kernels import nested_kv as kv_launch
-from bitnest_mlx.layers import dual_plane, mxtq_linear, nested_kv
+from bitnest_mlx.layers import dual_plane, hadamard, mxtq_linear, nested_kv
 from bitnest_mlx.layers.dsv4_ops import swiglu_clamped
 from bitnest_mlx.layers.dual_plane import DualPlaneLinear
 from bitnest_mlx.layers.mxtq_linear import MXTQSwitchLinear, rotate_input
@@ -36,6 +36,8 @@ from bitnest_mlx.layers.options import RunOptions
 SELF_TESTS = {
     "dual_plane": dual_plane.kernel_self_test,
     "nested_kv": nested_kv.kernel_self_test,
+    "nested_kv_write": nested_kv.write_self_test,
+    "head_hadamard": hadamard.head_hadamard_self_test,
     "mxtq_gather": mxtq_linear.gather_self_test,
     "mxtq_swiglu": mxtq_linear.swiglu_self_test,
     "hadamard": mxtq_linear.hadamard_self_test,
@@ -119,6 +121,35 @@ def nested_kv_case(
     mask = "causal" if L > 1 else None
     want = mx.fast.scaled_dot_product_attention(q.astype(k.dtype), k, v, scale=scale, mask=mask)
     return call, want.astype(dtype)
+
+
+def nested_kv_write_case(shape, group, dtype, seed):
+    """(kernel call, pure reference) for one K and V write: both planes and scales, compared
+    as the KV8 they decode to (tests below compare the stored bits)."""
+    k1, k2 = mx.random.split(mx.random.key(seed), 2)
+    k = (mx.random.normal(shape, key=k1) * 3).astype(dtype)
+    v = mx.random.normal(shape, key=k2).astype(dtype)
+
+    def kv8(stored):
+        return mx.concatenate([nest_dequantize(*p, group, draft=False).reshape(-1) for p in stored])
+
+    def call(runner, mutate=None):
+        run = runner if mutate is None else (lambda launch: runner(launch, mutate))
+        return kv8(kernels.nested_kv_write(k, v, group, runner=run))
+
+    return call, kv8((nest_quantize(k, group), nest_quantize(v, group)))
+
+
+def head_hadamard_case(q_shape, k_shape, dtype, seed):
+    k1, k2 = mx.random.split(mx.random.key(seed), 2)
+    q = (mx.random.normal(q_shape, key=k1) * 3).astype(dtype)
+    k = (mx.random.normal(k_shape, key=k2) * 3).astype(dtype)
+
+    def call(runner, mutate=None):
+        run = runner if mutate is None else (lambda launch: runner(launch, mutate))
+        return mx.concatenate([a.reshape(-1) for a in kernels.head_hadamard(q, k, run)])
+
+    return call, mx.concatenate([hadamard.r3(q).reshape(-1), hadamard.r3(k).reshape(-1)])
 
 
 def mxtq_case(bits, n_in, n_out, experts, tokens, k, shared, seed):
@@ -211,6 +242,20 @@ NESTED_KV = {
     # The launch's own choice at one kv head: 3 splits (128, 128, 44 keys).
     "decode_kv8_d64_g32_chosen_splits": (1, 2, 1, 1, 64, 300, 320, 32, False),
 }
+# K/V shape [B, H, L, D], KV group, dtype
+NESTED_KV_WRITE = {
+    "decode_d128_g64": ((1, 8, 1, 128), 64, mx.float32),
+    "verify3_d64_g32_fp16": ((2, 2, 3, 64), 32, mx.float16),
+    "prefill_d256_g128_ragged_rows": ((1, 3, 5, 256), 128, mx.float32),
+    "decode_d128_g128": ((1, 2, 1, 128), 128, mx.float32),
+}
+# q shape, k shape ([B, H, L, head_dim]), dtype
+HEAD_HADAMARD = {
+    "decode_d128_gqa3": ((1, 6, 1, 128), (1, 2, 1, 128), mx.float32),
+    "verify4_d64_fp16": ((1, 4, 4, 64), (1, 2, 4, 64), mx.float16),
+    "d256_batch2": ((2, 2, 3, 256), (2, 1, 3, 256), mx.float32),
+    "d32_one_lane_each": ((1, 2, 1, 32), (1, 1, 1, 32), mx.float32),
+}
 # bits, in, out, experts, tokens, K, shared x (gate/up) vs one x per slot (down)
 MXTQ = {
     "2bit_shared_ragged_out": (2, 384, 21, 5, 2, 3, True),
@@ -228,6 +273,8 @@ HADAMARD = {"d128_e1": (3, 128), "d512": (2, 512), "d2048": (2, 2048), "d4096": 
 CASES = {
     "dual_plane": (dual_plane_case, DUAL_PLANE, 2e-5),
     "nested_kv": (nested_kv_case, NESTED_KV, 2e-5),
+    "nested_kv_write": (nested_kv_write_case, NESTED_KV_WRITE, 0.0),
+    "head_hadamard": (head_hadamard_case, HEAD_HADAMARD, 2e-6),
     "mxtq_gather": (mxtq_case, MXTQ, 2e-5),
     "mxtq_swiglu": (mxtq_swiglu_case, MXTQ_SWIGLU, 2e-5),
     "hadamard": (hadamard_case, HADAMARD, 2e-5),
@@ -241,7 +288,7 @@ def build(kind: str, name: str):
     call, want = make(*case, seed=ALL.index((kind, name)))
     if kind == "dual_plane" and case[-1] == mx.float16:
         rel = 5e-3  # the pure path rounds a8(x) to fp16 before the matmul; the kernel does not
-    elif kind == "nested_kv" and case[-1] == mx.float16:
+    elif kind in ("nested_kv", "head_hadamard") and case[-1] == mx.float16:
         rel = 2e-3  # fp16 output rounding
     return call, want, rel
 
@@ -287,12 +334,33 @@ def test_emulator_test_fails_when_a8_in_the_launch_rounds_half_away_from_zero():
     assert not close(away, want)
 
 
+@needs_cxx
+@pytest.mark.parametrize("name", list(NESTED_KV_WRITE))
+def test_nested_kv_write_stores_the_bits_nest_quantize_stores(name):
+    shape, group, dtype = NESTED_KV_WRITE[name]
+    k1, k2 = mx.random.split(mx.random.key(7), 2)
+    k = (mx.random.normal(shape, key=k1) * 3).astype(dtype)
+    v = mx.random.normal(shape, key=k2).astype(dtype)
+    k[..., 0, :] = 0  # an all-zero row: scale 1, every code 8
+    stored = kernels.nested_kv_write(k, v, group, runner=emulator.run)
+    for got, want in zip(stored, (nest_quantize(k, group), nest_quantize(v, group))):
+        assert all(a.dtype == b.dtype and mx.array_equal(a, b) for a, b in zip(got, want))
+
+
 # One planted bug per kernel: the comparison above must notice each.
 MUTATIONS = {
     # The odd columns' lo nibbles are read one bit too high.
     "dual_plane": ("m3_target_a8_token", "((l >> 4) & 0x0F0F0F0Fu)", "((l >> 5) & 0x0F0F0F0Fu)"),
     # The causal test lets the newest query miss its own key.
     "nested_kv": ("verify4_kv8_gqa3_d64", "t < t_end && t <= last[j]", "t < t_end && t < last[j]"),
+    # The low plane's step taken as s / 8: its residual codes clip.
+    "nested_kv_write": ("decode_d128_g64", "s / 16.0f", "s / 8.0f"),
+    # The cross-lane butterflies swap which partner subtracts.
+    "head_hadamard": (
+        "decode_d128_gqa3",
+        "upper ? other - x[j] : x[j] + other",
+        "upper ? x[j] - other : x[j] + other",
+    ),
     # Codes read at the neighbouring field.
     "mxtq_gather": ("4bit_per_slot", "(code >> (i * BITS))", "(code >> ((i + 1) * BITS))"),
     # The gate is clamped at twice the limit.
@@ -673,13 +741,14 @@ def test_syntax_check_passes_every_generated_kernel(generated_sources, msl_check
 @pytest.mark.parametrize("spec", kernels.SPECS, ids=lambda s: s.name)
 def test_syntax_check_catches_a_planted_typo(generated_sources, msl_checker, spec):
     src = next(s for s in generated_sources.values() if f"custom_kernel_{spec.name}_" in s)
-    # A misspelt builtin, its semicolon dropped, in the kernel's first simd_sum, barrier, exp
-    # or simd_max.
+    # A misspelt builtin, its semicolon dropped, in the kernel's first simd_sum, barrier, exp,
+    # simd_max or shuffle.
     builtins = (
         "metal::simd_sum(",
         "metal::threadgroup_barrier(",
         "metal::exp(",
         "metal::simd_max(",
+        "metal::simd_shuffle_xor(",
     )
     call = next(b for b in builtins if b in src)
     start = src.index(call)

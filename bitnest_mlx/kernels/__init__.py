@@ -16,6 +16,7 @@ from .dual_plane import (
     dual_plane_matmul,
     dual_plane_supported,
 )
+from .head_hadamard import HEAD_HADAMARD, head_hadamard, head_hadamard_supported
 from .launch import KernelSpec, Launch, Runner, metal_runner, run
 from .mxtq import (
     HADAMARD,
@@ -31,18 +32,32 @@ from .mxtq import (
 from .nested_kv import (
     NESTED_KV,
     NESTED_KV_MERGE,
+    NESTED_KV_WRITE,
     KVGeometry,
     kv_geometry,
     nested_kv_attention,
     nested_kv_supported,
+    nested_kv_write,
+    nested_kv_write_supported,
 )
 
-SPECS = (DUAL_PLANE, A8_QUANTIZE, NESTED_KV, NESTED_KV_MERGE, MXTQ_GATHER, MXTQ_SWIGLU, HADAMARD)
+SPECS = (
+    DUAL_PLANE,
+    A8_QUANTIZE,
+    NESTED_KV,
+    NESTED_KV_MERGE,
+    NESTED_KV_WRITE,
+    HEAD_HADAMARD,
+    MXTQ_GATHER,
+    MXTQ_SWIGLU,
+    HADAMARD,
+)
 
 __all__ = [
     "A8_QUANTIZE",
     "DUAL_PLANE",
     "HADAMARD",
+    "HEAD_HADAMARD",
     "LANE_COLS",
     "MAX_M",
     "MXTQ_GATHER",
@@ -50,6 +65,7 @@ __all__ = [
     "MXTQ_SWIGLU",
     "NESTED_KV",
     "NESTED_KV_MERGE",
+    "NESTED_KV_WRITE",
     "SPECS",
     "KVGeometry",
     "KernelSpec",
@@ -62,6 +78,8 @@ __all__ = [
     "dual_plane_matmul",
     "dual_plane_supported",
     "hadamard_rotate",
+    "head_hadamard",
+    "head_hadamard_supported",
     "hadamard_supported",
     "kv_geometry",
     "metal_runner",
@@ -70,6 +88,8 @@ __all__ = [
     "mxtq_gather_swiglu",
     "nested_kv_attention",
     "nested_kv_supported",
+    "nested_kv_write",
+    "nested_kv_write_supported",
     "record",
     "report",
     "run",

@@ -7,6 +7,7 @@ log-sum-exp. The split count is chosen so that a decode step fills the GPU at lo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -186,3 +187,49 @@ def nested_kv_attention(
         runner,
     )
     return o
+
+
+NESTED_KV_WRITE = KernelSpec(
+    "bitnest_nested_kv_write",
+    "nested_kv_write.metal",
+    ("k", "v", "D", "G"),
+    ("k_hi", "k_lo", "k_scales", "v_hi", "v_lo", "v_scales"),
+)
+
+
+def nested_kv_write_supported(k: mx.array, v: mx.array, group: int) -> bool:
+    """One thread per 8-column word, a row's words within one simdgroup, a group's words an
+    aligned power-of-two run of them."""
+    d = k.shape[-1]
+    words = group // 8
+    return (
+        k.shape == v.shape
+        and d % group == 0
+        and group % 8 == 0
+        and words & (words - 1) == 0
+        and d // 8 <= 32
+    )
+
+
+def nested_kv_write(
+    k: mx.array, v: mx.array, group: int, runner: Runner | None = None
+) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...]]:
+    """K and V [..., D] -> their (hi, lo, scales) as `layers.nested_kv.nest_quantize` makes
+    them (hi, lo uint32 [..., D/8], scales float32 [..., D/group]), in one launch."""
+    d = k.shape[-1]
+    rows = math.prod(k.shape[:-1])
+    words = d // 8
+    per_tg = max(1, min(rows, 32 // words))  # rows a simdgroup holds
+    lead = k.shape[:-1]
+    shapes = [(*lead, words), (*lead, words), (*lead, d // group)] * 2
+    launch = Launch(
+        NESTED_KV_WRITE,
+        [k.reshape(rows, d), v.reshape(rows, d), d, group],
+        [],
+        grid=(words, rows, 2),
+        threadgroup=(words, per_tg, 1),
+        output_shapes=shapes,
+        output_dtypes=[mx.uint32, mx.uint32, mx.float32] * 2,
+    )
+    out = run(launch, runner)
+    return tuple(out[:3]), tuple(out[3:])

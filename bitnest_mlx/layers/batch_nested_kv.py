@@ -44,9 +44,9 @@ class BatchNestedKVCache(BatchKVCache):
         self.keys = tuple(fn(a) for a in self.keys)
         self.values = tuple(fn(a) for a in self.values)
 
-    def _store(self, keys: mx.array, values: mx.array) -> None:
+    def _store(self, keys: mx.array, values: mx.array, use_kernels: bool = False) -> None:
         prev, n = self._idx, keys.shape[2]
-        new_k, new_v = self.single._encode(keys), self.single._encode(values)
+        new_k, new_v = self.single.encode_kv(keys, values, use_kernels)
         if self.keys is None or prev + n > self.keys[0].shape[2]:
             grow = (self.step + n - 1) // self.step * self.step
 
@@ -63,9 +63,9 @@ class BatchNestedKVCache(BatchKVCache):
                 a[:, :, prev : self._idx] = x
 
     def update_and_fetch(
-        self, keys: mx.array, values: mx.array, draft: bool = False
+        self, keys: mx.array, values: mx.array, draft: bool = False, use_kernels: bool = False
     ) -> tuple[mx.array, mx.array]:
-        self._store(keys, values)
+        self._store(keys, values, use_kernels)
         k = tuple(a[:, :, : self._idx] for a in self.keys)
         v = tuple(a[:, :, : self._idx] for a in self.values)
         decode = self.single._decode
@@ -83,9 +83,20 @@ class BatchNestedKVCache(BatchKVCache):
         k_offset: mx.array | None = None,
         use_kernels: bool = True,
     ) -> mx.array:
-        """NestedKVCache.attend for B rows. Always the pure path: the Metal kernel reads one
-        unpadded sequence (`n_kv` keys from index 0), and left padding needs the mask."""
-        return pure_attention(self, q, k, v, scale=scale, mask=mask, draft=draft, k_offset=k_offset)
+        """NestedKVCache.attend for B rows. The read always takes the pure path: the Metal
+        kernel reads one unpadded sequence (`n_kv` keys from index 0), and left padding needs
+        the mask. The write is per row, so the write kernel serves a batch too."""
+        return pure_attention(
+            self,
+            q,
+            k,
+            v,
+            scale=scale,
+            mask=mask,
+            draft=draft,
+            k_offset=k_offset,
+            use_kernels=use_kernels,
+        )
 
     # -- mlx-lm's batching protocol ---------------------------------------------------------
 

@@ -1,9 +1,11 @@
-"""Online R4: the normalized (hadK ⊗ H_{n/K}) transform on the down_proj input."""
+"""Online Hadamard rotations: R4 (hadK ⊗ H_{n/K}) on the down_proj input, R3 on q and k."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from .. import kernels
 
 
 class OnlineHadamard(nn.Module):
@@ -34,3 +36,36 @@ class OnlineHadamard(nn.Module):
                 xr = xr * scale
             y = (self.had_k.astype(xr.dtype) @ xr).reshape(x.shape)
         return y.astype(dtype)
+
+
+def r3(x: mx.array) -> mx.array:
+    """R3 of x's head rows (last axis): the normalized Walsh-Hadamard transform in float32,
+    returned in x's dtype."""
+    return mx.hadamard_transform(x.astype(mx.float32)).astype(x.dtype)
+
+
+def rotate_heads(q: mx.array, k: mx.array, use_kernels: bool = True) -> tuple[mx.array, mx.array]:
+    """R3 of q and k: one launch for both where the kernel serves (a Mac, its self-test
+    passed), else `r3` of each."""
+    if (
+        use_kernels
+        and kernels.head_hadamard_supported(q, k)
+        and kernels.use("head_hadamard", head_hadamard_self_test)
+    ):
+        kernels.record("head_hadamard", "kernel")
+        return kernels.head_hadamard(q, k)
+    kernels.record("head_hadamard", "pure")
+    return r3(q), r3(k)
+
+
+def head_hadamard_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx.array]:
+    """(kernel, pure) R3 of a decode step's q and k at head_dim 128 (GQA 3) and of a 4-token
+    verify at head_dim 64."""
+    got, want = [], []
+    for (hq, hkv, rows, d), seed in (((24, 8, 1, 128), 1), ((4, 2, 4, 64), 2)):
+        k1, k2 = mx.random.split(mx.random.key(seed))
+        q = mx.random.normal((1, hq, rows, d), key=k1) * 4
+        k = mx.random.normal((1, hkv, rows, d), key=k2) * 4
+        got += [a.reshape(-1) for a in kernels.head_hadamard(q, k, runner)]
+        want += [r3(q).reshape(-1), r3(k).reshape(-1)]
+    return mx.concatenate(got), mx.concatenate(want)

@@ -20,11 +20,13 @@ def pure_attention(
     mask: Any,
     draft: bool,
     k_offset: mx.array | None,
+    use_kernels: bool = False,
 ) -> mx.array:
-    """`attend`'s pure path for a nested cache of one or several sequences: store k, v, read
-    every position as KV4 or KV8 (`cache.update_and_fetch`), add the key offset, SDPA."""
+    """`attend`'s pure path for a nested cache of one or several sequences: store k, v (by the
+    write kernel where `use_kernels` lets the cache use it), read every position as KV4 or KV8
+    (`cache.update_and_fetch`), add the key offset, SDPA."""
     kernels.record("nested_kv", "pure")
-    keys, values = cache.update_and_fetch(k, v, draft)
+    keys, values = cache.update_and_fetch(k, v, draft, use_kernels)
     if k_offset is not None:
         keys = keys + k_offset.astype(keys.dtype)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)

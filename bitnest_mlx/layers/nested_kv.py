@@ -76,6 +76,23 @@ class NestedKVCache(_BaseCache):
     def _encode(self, x: mx.array) -> tuple[mx.array, ...]:
         return nest_quantize(x, self.group_size) if self.quantized else (x,)
 
+    def encode_kv(
+        self, keys: mx.array, values: mx.array, use_kernels: bool = False
+    ) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...]]:
+        """K and V as stored: both by one write kernel where it serves (`use_kernels`, a Mac,
+        its self-test passed), else each by `nest_quantize`; the same bits either way."""
+        if not self.quantized:
+            return (keys,), (values,)
+        if (
+            use_kernels
+            and kernels.nested_kv_write_supported(keys, values, self.group_size)
+            and kernels.use("nested_kv_write", write_self_test)
+        ):
+            kernels.record("nested_kv_write", "kernel")
+            return kernels.nested_kv_write(keys, values, self.group_size)
+        kernels.record("nested_kv_write", "pure")
+        return self._encode(keys), self._encode(values)
+
     def _decode(self, parts: tuple[mx.array, ...], draft: bool, dtype: mx.Dtype) -> mx.array:
         if not self.quantized:
             return parts[0]
@@ -109,7 +126,7 @@ class NestedKVCache(_BaseCache):
             and kernels.nested_kv_supported(q, mask, q.shape[-1], self.group_size)
         ):
             kernels.record("nested_kv", "kernel")
-            self._store(k, v)
+            self._store(k, v, use_kernels=True)
             return kernels.nested_kv_attention(
                 q,
                 self.keys,
@@ -119,21 +136,31 @@ class NestedKVCache(_BaseCache):
                 group=self.group_size,
                 n_kv=self.offset,
             )
-        return pure_attention(self, q, k, v, scale=scale, mask=mask, draft=draft, k_offset=k_offset)
+        return pure_attention(
+            self,
+            q,
+            k,
+            v,
+            scale=scale,
+            mask=mask,
+            draft=draft,
+            k_offset=k_offset,
+            use_kernels=use_kernels,
+        )
 
     def update_and_fetch(
-        self, keys: mx.array, values: mx.array, draft: bool = False
+        self, keys: mx.array, values: mx.array, draft: bool = False, use_kernels: bool = False
     ) -> tuple[mx.array, mx.array]:
-        self._store(keys, values)
+        self._store(keys, values, use_kernels)
         k = tuple(a[:, :, : self.offset] for a in self.keys)
         v = tuple(a[:, :, : self.offset] for a in self.values)
         return self._decode(k, draft, keys.dtype), self._decode(v, draft, values.dtype)
 
-    def _store(self, keys: mx.array, values: mx.array) -> None:
+    def _store(self, keys: mx.array, values: mx.array, use_kernels: bool = False) -> None:
         """Store K and V at `offset` and advance it; `keys`/`values` hold (hi, lo, scales),
         capacity-sized, the first `offset` positions valid."""
         prev, n = self.offset, keys.shape[2]
-        new_k, new_v = self._encode(keys), self._encode(values)
+        new_k, new_v = self.encode_kv(keys, values, use_kernels)
         if self.keys is None or prev + n > self.keys[0].shape[2]:
             grow = (self.step + n - 1) // self.step * self.step
 
@@ -240,3 +267,19 @@ def kernel_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx
     ]
     got, want = zip(*pairs)
     return mx.concatenate(got, axis=2), mx.concatenate(want, axis=2)
+
+
+def write_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx.array]:
+    """(kernel, pure) KV8 of K and V as the write kernel and `nest_quantize` store them: a
+    decode token and a 3-token verify write, head_dim 128 at group 64 and 64 at group 32, an
+    all-zero row among them (its scale is 1)."""
+    got, want = [], []
+    for shape, group in (((1, 8, 1, 128), 64), ((1, 2, 3, 64), 32)):
+        k1, k2 = mx.random.split(mx.random.key(group), 2)
+        k = mx.random.normal(shape, key=k1) * 3
+        v = mx.random.normal(shape, key=k2).at[..., 0, :].multiply(0.0)
+        stored = kernels.nested_kv_write(k, v, group, runner)
+        for planes, x in zip(stored, (k, v)):
+            got.append(nest_dequantize(*planes, group, draft=False).reshape(-1))
+            want.append(nest_dequantize(*nest_quantize(x, group), group, draft=False).reshape(-1))
+    return mx.concatenate(got), mx.concatenate(want)

@@ -98,6 +98,7 @@ def bitnest_parts() -> list[tuple]:
         (dual_plane, "_finish", lambda lins, ys, path, gate_up: "mlp" if gate_up else "projection"),
         (dual_plane, "_through", "projection"),
         (attention, "_rotate", "rope"),
+        (attention, "_rotate_qk", "rope"),
         (attention, "_k_offset", "rope"),
         (OnlineHadamard, "__call__", "mlp"),
         (NestedKVCache, "_store", "kv_write", _store_result),
