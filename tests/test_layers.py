@@ -315,8 +315,9 @@ def test_nest_dequantize_reads_kv4_or_kv8(draft):
 
 
 def test_nested_cache_overwrites_trimmed_draft_entries():
-    """Spec §5: a draft round writes P..P+γ-1, the cache is trimmed, the verify pass rewrites
-    those positions; reads then see only the verify pass's values (plus the prefix)."""
+    """Spec §5: a draft round writes P..P+γ-1 (hi planes and scales only: it reads KV4), the
+    cache is trimmed, the verify pass rewrites those positions; reads then see only the verify
+    pass's values (plus the prefix), the lo planes included."""
     r = rng(11)
     k = [r.normal(0, 1, (1, 1, n, 128)).astype(F32) for n in (3, 2, 2)]
     v = [r.normal(0, 1, (1, 1, n, 128)).astype(F32) for n in (3, 2, 2)]

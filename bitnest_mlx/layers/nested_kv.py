@@ -126,7 +126,7 @@ class NestedKVCache(_BaseCache):
             and kernels.nested_kv_supported(q, mask, q.shape[-1], self.group_size)
         ):
             kernels.record("nested_kv", "kernel")
-            self._store(k, v, use_kernels=True)
+            self._store(k, v, use_kernels=True, kv4_only=draft)
             return kernels.nested_kv_attention(
                 q,
                 self.keys,
@@ -151,14 +151,20 @@ class NestedKVCache(_BaseCache):
     def update_and_fetch(
         self, keys: mx.array, values: mx.array, draft: bool = False, use_kernels: bool = False
     ) -> tuple[mx.array, mx.array]:
-        self._store(keys, values, use_kernels)
+        self._store(keys, values, use_kernels, kv4_only=draft)
         k = tuple(a[:, :, : self.offset] for a in self.keys)
         v = tuple(a[:, :, : self.offset] for a in self.values)
         return self._decode(k, draft, keys.dtype), self._decode(v, draft, values.dtype)
 
-    def _store(self, keys: mx.array, values: mx.array, use_kernels: bool = False) -> None:
+    def _store(
+        self, keys: mx.array, values: mx.array, use_kernels: bool = False, kv4_only: bool = False
+    ) -> None:
         """Store K and V at `offset` and advance it; `keys`/`values` hold (hi, lo, scales),
-        capacity-sized, the first `offset` positions valid."""
+        capacity-sized, the first `offset` positions valid.
+
+        A step that reads KV4 (`kv4_only`: a draft) leaves the lo planes of its positions as
+        they were: nothing reads them before the round's verify pass writes those positions
+        again, all planes (the draft reads hi and scales only)."""
         prev, n = self.offset, keys.shape[2]
         new_k, new_v = self.encode_kv(keys, values, use_kernels)
         if self.keys is None or prev + n > self.keys[0].shape[2]:
@@ -172,7 +178,9 @@ class NestedKVCache(_BaseCache):
             self.values = tuple(extend(o, x) for o, x in zip(self.values or (None,) * 3, new_v))
         self.offset += n
         for store, new in ((self.keys, new_k), (self.values, new_v)):
-            for a, x in zip(store, new):
+            for part, (a, x) in enumerate(zip(store, new)):
+                if kv4_only and self.quantized and part == 1:  # (hi, lo, scales)
+                    continue
                 a[:, :, prev : self.offset] = x
 
     @property
