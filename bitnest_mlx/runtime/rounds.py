@@ -30,7 +30,7 @@ from .prompt_lookup import PromptLookup
 from .sampling import RULES, PositionNoise, Sampler, speculative_sample
 from .sampling import gumbel_speculative_sample as coupled_sample
 from .speed_model import CostModel, Round, rounds_speedup
-from .token_bytes import weight_bytes
+from .step_kernels import run_cost
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
@@ -107,8 +107,9 @@ class SpeculationPolicy:
     continuing the longest earlier match of at least ngram_min tokens of the prompt and the
     text so far, `prompt_lookup`), "auto" (each round the plan with the most expected tokens
     per cost among chains, copies and copies extended by the W4 draft, `draft_control`) or
-    "none" (target-only). cost_model: the costs a seeded run plans with (default the
-    `speed_model` table at its default chip and the model's draft / target bytes).
+    "none" (target-only). cost_model: the costs a seeded run plans with (default
+    `step_kernels.run_cost`: step time on the chip this runs on, the model's bytes at the
+    prompt's length and the stored kernels of the path it runs).
     draft_vocab_join: a reduced draft vocabulary also scores the context's ids
     (`DraftVocabJoin`).
     """
@@ -275,9 +276,9 @@ class SpeculativeRun:
             policy = replace(p, draft_source=source, cost_model=cost, draft_kv=8)
         sampler = sampler or Sampler()
         cost = policy.cost_model
-        if seed is not None and cost is None:
-            b = weight_bytes(model)
-            cost = CostModel(b["draft"] / b["target"])
+        if seed is not None and cost is None:  # planned at this chip, priced by step time
+            kv = draft_kv_policy(policy.draft_kv, model)(prompt.size)
+            cost = run_cost(model, prompt.size, kv)
         source = "none" if policy.num_draft_tokens == 0 else policy.draft_source
         if seed is None and rule == "gumbel":  # the coupling needs keyed noise: draw a seed
             seed = mx.random.randint(0, 2**31 - 1).item()
@@ -355,7 +356,7 @@ class SpeculativeRun:
         n = n.item()
         commit(self.cache, gamma, n)
         self.account(plan, n, draft_s, time.perf_counter() - tic)
-        out = drafts[:n].tolist() + [token.item()]
+        out = drafts.tolist()[:n] + [token.item()]  # a slice of drafts would be new work
         self.lookup.extend(out)
         self.stats.draft_vocab_joined = self.join.add(out) if self.join is not None else 0
         if self.processors:
