@@ -1,8 +1,8 @@
 """Kernels a Mac launches for a lazy MLX graph, counted on a Linux CPU (the GPU basis).
 
 On MLX's CPU backend `mx.fast.rms_norm`, `rope` and `scaled_dot_product_attention` are built as
-their fallback graphs (5-15 primitives each), and `mx.fast.metal_kernel` cannot run at all; on
-a Metal GPU each is one kernel. `gpu_basis()` replaces them, while it is active, by stand-ins:
+their fallback graphs (5-15 primitives each), `mx.dequantize` as shifts and masks (about 20),
+and `mx.fast.metal_kernel` cannot run at all; on a Metal GPU each is one kernel. `gpu_basis()` replaces them, while it is active, by stand-ins:
 one primitive each (a `Concatenate`) that returns the right shapes and dtypes and depends on
 every input, so the graph has the shape of the one a Mac builds. `launches(outputs)` then counts
 every primitive that is not a view (`VIEWS`) as one kernel; a compiled (`mx.compile`) chain is
@@ -14,7 +14,8 @@ minus the nodes an inner part already claimed) are that part's. Host syncs: `mx.
 `array.item()` and `array.tolist()` that wait on work (unevaluated, or launched by
 `mx.async_eval`) count as one each (`Ledger.syncs`), and the work they evaluate is counted there.
 
-What this does not see: a `Reshape` that copies a non-contiguous input (counted as a view), and
+What this does not see: a `Reshape` that copies a non-contiguous input (counted as a view), the
+copy MLX makes of a non-contiguous input to a `metal_kernel` launch, and
 kernels MLX itself splits (a two-pass reduction, the GEMV variants): MLX's Metal backend may
 launch a few more than counted, never fewer.
 """
@@ -151,6 +152,13 @@ def _sdpa(q, k, v, *, scale, mask=None, sinks=None, **kw):
     return stand_in([q, k, v, mask, sinks], [shape], [q.dtype])[0]
 
 
+def _dequantize(w, scales, biases=None, group_size=None, bits=None, mode="affine", **kw):
+    # One kernel on a Mac: MLX builds it as one primitive there; only the CPU backend expands
+    # it to shifts and masks (about 20 primitives).
+    shape = (*w.shape[:-1], w.shape[-1] * 32 // (bits or 4))
+    return stand_in([w, scales, biases], [shape], [scales.dtype])[0]
+
+
 def _launch(launch, verbose: bool = False) -> list[mx.array]:
     return stand_in(launch.inputs, launch.output_shapes, launch.output_dtypes)
 
@@ -260,6 +268,7 @@ def gpu_basis(ledger: Ledger | None = None, parts: Sequence[tuple] = ()) -> Iter
         for attr, (label, fn) in fast.items():
             stack.enter_context(mock.patch.object(mx.fast, attr, part(ledger, label, fn)))
         stack.enter_context(mock.patch.object(launch, "metal_runner", _launch))
+        stack.enter_context(mock.patch.object(mx, "dequantize", _dequantize))
         for owner, attr, label, *result in parts:
             wrapped = part(ledger, label, getattr(owner, attr), *result)
             stack.enter_context(mock.patch.object(owner, attr, wrapped))

@@ -333,14 +333,6 @@ def count_deepseek_v3(config: dict, layers: tuple[int, int] = (6, 3)) -> Count:
 QWEN3_MLP = ("swiglu", "silu_mul")
 
 
-def _dequantize(w, scales, biases=None, group_size=None, bits=None, mode="affine", **kw):
-    """mx.dequantize as a Mac runs it: one kernel. On the GPU MLX builds it as one
-    `fast::Quantize` primitive; only the CPU backend expands it to shifts and masks (about 20
-    primitives), which would inflate a quantized embedding's count."""
-    shape = (*w.shape[:-1], w.shape[-1] * 32 // (bits or 4))
-    return dg.stand_in([w, scales, biases], [shape], [scales.dtype])[0]
-
-
 def _silu_mul(self, x):
     # mlx-lm < 0.30.4's qwen3 MLP: nn.silu (compiled, one kernel) times up (one more)
     return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -403,11 +395,8 @@ def count_mlx_lm_qwen3(
     counts = []
     for n in layers:
         model = qwen3_peer_at(config, n, bits, group_size)
-        with mock.patch.object(mx, "dequantize", _dequantize):
-            with mock.patch.object(qwen3.MLP, "__call__", call):
-                counts.append(
-                    measure(model, mlx_lm_generate_step, kernel=False, parts=qwen3_parts())
-                )
+        with mock.patch.object(qwen3.MLP, "__call__", call):
+            counts.append(measure(model, mlx_lm_generate_step, kernel=False, parts=qwen3_parts()))
         del model  # a real-dims model: free it before building the next
     (hi, _), (lo, _) = counts
     return difference(hi, lo, layers)
