@@ -10,6 +10,7 @@ from __future__ import annotations
 from unittest import mock
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from numpy_reference import a8_codes, dequant, kv_codes, r4_matrix, unpack_codes
@@ -234,14 +235,20 @@ def test_stack_is_rebuilt_when_a_linear_is_loaded_again():
     assert np.array_equal(np.array(stack.hi[8:]), np.array(fresh.hi))
 
 
-def test_pure_path_never_stacks_planes():
-    linears = [planes_linear(8, 128, seed) for seed in (1, 2)]
-    hi = [lin.hi for lin in linears]
-    x = mx.array(rng(4).normal(0, 1, (1, 128)).astype(F32))
-    swiglu(x, *linears, RunOptions("target", use_kernels=False))
-    project(x, linears, RunOptions("draft", use_kernels=False))
-    assert all(lin.hi is h for lin, h in zip(linears, hi))
-    assert getattr(linears[0], "_plane_stack", None) is None
+@pytest.mark.parametrize("mode", ["draft", "target"])
+def test_pure_path_grouped_matmul_equals_each_linear_bit_for_bit(mode):
+    """The pure path runs q/k/v (or gate/up) as one quantized matmul per plane on the stacked
+    planes: every output equals its Linear's own call exactly, A8 included."""
+    opts = RunOptions(mode, use_kernels=False)
+    x = mx.array(rng(4).normal(0, 1, (3, 128)).astype(F32))
+    alone = [planes_linear(8, 128, seed) for seed in (1, 2, 3)]
+    want = [lin(x, opts) for lin in alone]
+    want_mlp = nn.silu(want[0]) * want[1]
+    grouped = [planes_linear(8, 128, seed) for seed in (1, 2, 3)]
+    got = project(x, grouped, opts)
+    assert getattr(grouped[0], "_plane_stack", None) is not None
+    assert all(mx.array_equal(g, w) for g, w in zip(got, want))
+    assert mx.array_equal(swiglu(x, *grouped[:2], opts), want_mlp)
 
 
 # ---------------------------------------------------------------------------------------------

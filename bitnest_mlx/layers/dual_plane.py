@@ -60,11 +60,6 @@ class DualPlaneLinear(nn.Module):
             x, self.hi, self.lo, self.scales, draft=draft, a8_group=a8_group
         )
 
-    def _qmm(self, x: mx.array, plane: mx.array) -> mx.array:
-        return mx.quantized_matmul(
-            x, plane, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=4
-        )
-
     def _pure(self, x: mx.array, draft: bool, dense_min_rows: int = 0) -> mx.array:
         kept = getattr(self, "kept_dense", None)  # `keep_dense`: W4 and W8 as float matrices
         if kept is not None:
@@ -83,9 +78,7 @@ class DualPlaneLinear(nn.Module):
                 if n > block:
                     mx.eval(ys[-1])
             return ys[0] if len(ys) == 1 else mx.concatenate(ys, axis=-1)
-        y = self._qmm(x, self.hi)
-        # Two calls sharing scales/biases: never materialise s/16 in fp16 (subnormal risk).
-        return y if draft else nested(y, self._qmm(x, self.lo))
+        return planes_matmul(x, self, self.group_size, draft)
 
     def dequantized(self, draft: bool, rows: slice = slice(None)) -> mx.array:
         """W4 (draft) or W8 (target) as a dense [N, K] matrix (those `rows`) in the scales'
@@ -111,6 +104,20 @@ class DualPlaneLinear(nn.Module):
         if f"{prefix}.bias" in tensors:
             out[f"{prefix}.bias"] = tensors[f"{prefix}.bias"].astype(dtype)
         return out
+
+
+def planes_matmul(x: mx.array, planes, group_size: int, draft: bool) -> mx.array:
+    """x·W4ᵀ or x·W8ᵀ by MLX's quantized matmul on `planes` (hi, lo, scales, biases: a
+    Linear's or a stack's): two calls sharing scales and biases for W8, so that s/16 is never
+    materialised in fp16 (subnormal risk)."""
+
+    def qmm(plane: mx.array) -> mx.array:
+        return mx.quantized_matmul(
+            x, plane, planes.scales, planes.biases, transpose=True, group_size=group_size, bits=4
+        )
+
+    y = qmm(planes.hi)
+    return y if draft else nested(y, qmm(planes.lo))
 
 
 def keep_dense(model: nn.Module) -> int:
@@ -168,8 +175,13 @@ def _through(
         and kernels.dual_plane_supported(x, linears[0].hi, linears[0].scales)
     ):
         x_in = x if group is None else a8(x, group)
-        ys = [lin._pure(x_in, o.draft, o.dense_min_rows) for lin in linears]
-        return _finish(linears, ys, "pure", gate_up)
+        if not _pure_stackable(x_in, linears, o.dense_min_rows):
+            ys = [lin._pure(x_in, o.draft, o.dense_min_rows) for lin in linears]
+            return _finish(linears, ys, "pure", gate_up)
+        # One quantized matmul per plane for the group: each output row is computed as the
+        # Linear's own call computes it, so the values are the same.
+        y = planes_matmul(x_in, plane_stack.stacked_planes(linears), linears[0].group_size, o.draft)
+        return _finish(linears, _split_rows(y, linears), "pure", gate_up)
     # A8 inside the launch where the kernel can reduce the group's scale, else quantized first.
     fusable = group is not None and kernels.a8_fusable(group, x.shape[-1])
     x_in = x if fusable or group is None else a8(x, group)
@@ -188,9 +200,26 @@ def _through(
         for _ in linears:
             kernels.record("dual_plane", "kernel")
         return [y]
+    return _finish(linears, _split_rows(y, linears), "kernel", gate_up)
+
+
+def _split_rows(y: mx.array, linears: Sequence[DualPlaneLinear]) -> list[mx.array]:
+    """A stacked launch's output [..., ΣN] -> each Linear's [..., N]."""
     rows = [lin.hi.shape[0] for lin in linears]
     edges = [sum(rows[: i + 1]) for i in range(len(rows) - 1)]
-    return _finish(linears, mx.split(y, edges, axis=-1), "kernel", gate_up)
+    return mx.split(y, edges, axis=-1)
+
+
+def _pure_stackable(x: mx.array, linears: Sequence[DualPlaneLinear], dense_min_rows: int) -> bool:
+    """Can the pure path run the group as one stack: quantized matmuls on both (no dense
+    weights kept, no dense pass) and planes of one shape and group."""
+    dense = dense_min_rows and x.size >= dense_min_rows * x.shape[-1]
+    return (
+        not dense
+        and plane_stack.stackable(linears)
+        and all(lin.group_size == linears[0].group_size for lin in linears)
+        and not any(hasattr(lin, "kept_dense") for lin in linears)
+    )
 
 
 def _finish(

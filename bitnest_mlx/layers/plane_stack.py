@@ -1,11 +1,11 @@
 """Several dual-plane Linears that read one input (q/k/v, gate/up) stored as one stacked array.
 
-The grouped kernel launch wants [q; k; v] (or [gate; up]) planes and scales concatenated along
-N. Keeping a second, stacked copy would add ~45 % to a package at rest, so the stacked array is
-the only copy: it is built at the group's first kernel use and each Linear's `hi`, `lo` and
-`scales` become row slices of it (MLX slices of whole rows share the buffer, no copy), after
-which the Linear's own arrays are dropped. Parameter names and shapes do not change; the pure
-path, which never calls this, keeps the arrays as loaded.
+The grouped kernel launch and the pure path's grouped quantized matmuls want [q; k; v] (or
+[gate; up]) planes, scales and biases concatenated along N. Keeping a second, stacked copy would
+add ~45 % to a package at rest, so the stacked array is the only copy: it is built at the group's
+first use and each Linear's `hi`, `lo`, `scales` and `biases` become row slices of it (MLX slices
+of whole rows share the buffer, no copy), after which the Linear's own arrays are dropped.
+Parameter names and shapes do not change.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-PLANES = ("hi", "lo", "scales")
+PLANES = ("hi", "lo", "scales", "biases")
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,8 @@ class Stack:
     hi: mx.array
     lo: mx.array
     scales: mx.array
-    views: tuple[tuple[mx.array, ...], ...]  # per Linear: (hi, lo, scales) as installed
+    biases: mx.array  # -8·scales, for MLX's quantized matmul (the pure path)
+    views: tuple[tuple[mx.array, ...], ...]  # per Linear: (hi, lo, scales, biases) as installed
 
     def serves(self, linears: Sequence[nn.Module]) -> bool:
         """Do the Linears still hold exactly the slices this stack installed? A load_weights,

@@ -1,23 +1,23 @@
 """Kernels a Mac launches for a lazy MLX graph, counted on a Linux CPU (the GPU basis).
 
 On MLX's CPU backend `mx.fast.rms_norm`, `rope` and `scaled_dot_product_attention` are built as
-their fallback graphs (5-15 primitives each), `mx.dequantize` as shifts and masks (about 20),
-and `mx.fast.metal_kernel` cannot run at all; on a Metal GPU each is one kernel. `gpu_basis()` replaces them, while it is active, by stand-ins:
-one primitive each (a `Concatenate`) that returns the right shapes and dtypes and depends on
-every input, so the graph has the shape of the one a Mac builds. `launches(outputs)` then counts
-every primitive that is not a view (`VIEWS`) as one kernel; a compiled (`mx.compile`) chain is
-one `Compiled...` primitive, so one kernel, as on Metal.
+their fallback graphs (5-15 primitives each), `mx.dequantize` as shifts and masks (about 20), and
+`mx.fast.metal_kernel` cannot run at all; on a Metal GPU each is one kernel. `gpu_basis()` replaces
+them, while it is active, by stand-ins: one primitive each (a `Concatenate`) that returns the right
+shapes and dtypes and depends on every input, so the graph has the shape of the one a Mac builds.
+`launches(outputs)` then counts every primitive that is not a view (`VIEWS`) as one kernel; a
+compiled (`mx.compile`) chain is one `Compiled...` primitive, so one kernel, as on Metal.
 
-Parts: while counting, `gpu_basis` can wrap the functions that make up a model's parts (norms,
-A8, projections...); the kernels a part's call creates (its outputs' graph beyond its inputs',
-minus the nodes an inner part already claimed) are that part's. Host syncs: `mx.eval`,
-`array.item()` and `array.tolist()` that wait on work (unevaluated, or launched by
-`mx.async_eval`) count as one each (`Ledger.syncs`), and the work they evaluate is counted there.
+Parts: while counting, `gpu_basis` can wrap the functions that make up a model's parts (norms, A8,
+projections...); the kernels a part's call creates (its outputs' graph beyond its inputs', minus the
+nodes an inner part already claimed) are that part's. Host syncs: `mx.eval`, `array.item()` and
+`array.tolist()` that wait on work (unevaluated, or launched by `mx.async_eval`) count as one each
+(`Ledger.syncs`), and the work they evaluate is counted there.
 
-What this does not see: a `Reshape` that copies a non-contiguous input (counted as a view), the
-copy MLX makes of a non-contiguous input to a `metal_kernel` launch, and
-kernels MLX itself splits (a two-pass reduction, the GEMV variants): MLX's Metal backend may
-launch a few more than counted, never fewer.
+What this does not see: a `Reshape` that copies a non-contiguous input (counted as a view), the copy
+MLX makes of a non-contiguous input to a `metal_kernel` launch, and kernels MLX itself splits (a
+two-pass reduction, the GEMV variants): MLX's Metal backend may launch a few more than counted,
+never fewer.
 """
 
 from __future__ import annotations

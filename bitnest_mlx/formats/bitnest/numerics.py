@@ -26,7 +26,13 @@ W8_MAX = 119 / 16  # the W8 grid spans [-8 s, 7.4375 s]: q8 = 16 q4 + qr in [-12
 
 def nested(hi, lo):
     """The 8-bit value from its two 4-bit planes' values (weights or KV; numpy or MLX):
-    hi + lo/16, i.e. (16 q4 + qr)·s/16 for planes q4·s and qr·s."""
+    hi + lo/16, i.e. (16 q4 + qr)·s/16 for planes q4·s and qr·s. MLX: one compiled kernel, the
+    same values (lo/16 is exact, so a fused multiply-add rounds once, as the add does)."""
+    return _mx_nested(hi, lo) if isinstance(hi, mx.array) else hi + lo * LO_STEP
+
+
+@partial(mx.compile, shapeless=True)
+def _mx_nested(hi: mx.array, lo: mx.array) -> mx.array:
     return hi + lo * LO_STEP
 
 
