@@ -67,8 +67,8 @@ def routing(model, texts: list[list[int]]) -> list[np.ndarray]:
     gates = {id(layer.ffn.gate): i for i, layer in enumerate(model.layers)}
     call = deepseek_v4.Gate.__call__
 
-    def recording(self, x, tok):
-        idx, w = call(self, x, tok)
+    def recording(self, x, tok, *options):
+        idx, w = call(self, x, tok, *options)
         seen[gates[id(self)]] = np.array(idx)  # evaluates this layer and all before it
         if len(seen) == len(gates):
             raise _Routed

@@ -7,8 +7,9 @@ the official checkpoint names (`layers.L.attn.wq_a.weight`, ...) with routed exp
 Every call continues from the cache: a full prefill, a chunk, one decode token or a γ+1-token
 verification are the same code path, and `DSV4Cache.trim(k)` rolls back exactly
 (bitnest_mlx/layers/dsv4_cache.py). This file is the architecture; the compressed-attention
-branch is models/deepseek_v4_attention.py and the QAT roundings and partial RoPE, which are not
-specific to it, are bitnest_mlx/layers/dsv4_ops.py.
+branch is models/deepseek_v4_attention.py; the hyper-connections and the MoE routing, with their
+Metal kernels and pure paths, are bitnest_mlx/layers/dsv4_hc.py and dsv4_route.py; the QAT
+roundings and partial RoPE, which are not specific to it, are bitnest_mlx/layers/dsv4_ops.py.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.switch_layers import SwitchLinear
 
 from bitnest_mlx.formats.dsv4_config import DSV4Config
 from bitnest_mlx.formats.dsv4_schedule import schedule
+from bitnest_mlx.layers import dsv4_hc, dsv4_route
 from bitnest_mlx.layers.dsv4_cache import DSV4Cache
-from bitnest_mlx.layers.dsv4_ops import PartialRoPE, fp8_fake_quant, swiglu_clamped
+from bitnest_mlx.layers.dsv4_ops import PartialRoPE, fp8_fake_quant, swiglu_clamped, unrolled_sum
 from bitnest_mlx.layers.mxtq_linear import MXTQSwitchLinear, routed_glu
 from bitnest_mlx.layers.options import RunOptions
 from bitnest_mlx.layers.pipeline import PipelineStage
@@ -88,6 +91,10 @@ class Attention(nn.Module):
         nope = kv[..., : -self.rope_dims]
         return mx.concatenate([fp8_fake_quant(nope), kv[..., -self.rope_dims :]], axis=-1)
 
+    def _entry_keys(self, qat: bool, dtype: mx.Dtype, entries: mx.array) -> mx.array:
+        """New compressed entries as the attention reads them (made once, kept in the cache)."""
+        return (self._fp8_kv(entries) if qat else entries).astype(dtype)
+
     def __call__(self, x: mx.array, cache: DSV4Cache, qat: bool = False) -> mx.array:
         B, L, _ = x.shape
         p = cache.offset
@@ -99,21 +106,25 @@ class Attention(nn.Module):
             kv = self._fp8_kv(kv)
         keys = cache.append_keys(kv)
 
-        qpos = p + mx.arange(L)[:, None]
-        kpos = cache.keys_start + mx.arange(keys.shape[2])[None]
+        # The masks are made on the host from positions alone: no kernels.
+        qpos = p + np.arange(L)[:, None]
+        kpos = cache.keys_start + np.arange(keys.shape[2])[None]
         mask = (kpos <= qpos) & (kpos > qpos - self.window)
         if self.ratio:
-            entries = self.compressor(x, cache.pools["compressor"], p)
-            if qat:
-                entries = self._fp8_kv(entries)
+            pool = cache.pools["compressor"]
+            entries = self.compressor(x, pool, p, partial(self._entry_keys, qat, keys.dtype))
             # Query t sees entry j once its block is complete: (j + 1) · ratio <= t + 1.
-            visible = (mx.arange(entries.shape[1])[None] < (qpos + 1) // self.ratio)[None]
+            visible = np.arange(entries.shape[1])[None] < (qpos + 1) // self.ratio
             if self.ratio == 4:
                 visible = self.indexer(x, qr, cache.pools["indexer"], p, visible, qat)
-            keys = mx.concatenate([keys, entries[:, None].astype(keys.dtype)], axis=2)
-            mask = mx.broadcast_to(mask, (visible.shape[0], *mask.shape))
-            mask = mx.concatenate([mask, visible], axis=-1)
-        mask = mask.reshape(-1, 1, L, keys.shape[2])
+            if entries.shape[1]:
+                keys = mx.concatenate([keys, entries[:, None]], axis=2)
+            if isinstance(visible, np.ndarray):
+                mask = np.concatenate([mask, visible], axis=-1)
+            else:
+                mask = mx.broadcast_to(mx.array(mask), (visible.shape[0], *mask.shape))
+                mask = mx.concatenate([mask, visible], axis=-1)
+        mask = mx.array(mask).reshape(-1, 1, L, keys.shape[2])
         cache.advance(L)
 
         o = mx.fast.scaled_dot_product_attention(
@@ -153,15 +164,17 @@ class Gate(nn.Module):
         else:
             self.bias = tensor(slots, f"{prefix}.bias")
 
-    def __call__(self, x: mx.array, ids: mx.array) -> tuple[mx.array, mx.array]:
-        scores = mx.sqrt(nn.softplus(x.astype(mx.float32) @ self.weight.T.astype(mx.float32)))
+    def __call__(
+        self, x: mx.array, ids: mx.array, use_kernels: bool = True
+    ) -> tuple[mx.array, mx.array]:
+        """(experts [..., top_k] uint32, weights [..., top_k] float32); both routing paths
+        (layers/dsv4_route.py) read nothing back to the host."""
+        logits = x.astype(mx.float32) @ self.weight.T.astype(mx.float32)
         if "tid2eid" in self:
-            idx = self.tid2eid[ids].astype(mx.uint32)
+            by = {"table": self.tid2eid, "ids": ids}
         else:
-            # The bias only chooses experts; the weights come from the unbiased scores.
-            idx = mx.argpartition(-(scores + self.bias), self.top_k - 1, axis=-1)[..., : self.top_k]
-        w = mx.take_along_axis(scores, idx, axis=-1)
-        return idx, w / w.sum(axis=-1, keepdims=True) * self.route_scale
+            by = {"bias": self.bias}
+        return dsv4_route.route(logits, self.top_k, self.route_scale, **by, use_kernels=use_kernels)
 
 
 class SharedExpert(nn.Module):
@@ -214,30 +227,22 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(slots, f"{p}.shared_experts", self.limit)
 
     def __call__(self, x: mx.array, ids: mx.array, use_kernels: bool = True) -> mx.array:
-        idx, w = self.gate(x, ids)
-        xe = x.astype(mx.float32)[..., None, None, :]  # [B, L, 1, 1, D]
-        y = self.switch_mlp(xe, idx, w, self.limit, use_kernels).squeeze(-2).sum(axis=-2)
-        return (y + self.shared_experts(x).astype(mx.float32)).astype(x.dtype)
+        x32 = x.astype(mx.float32)  # the router's and the routed experts' input
+        idx, w = self.gate(x32, ids, use_kernels)
+        y = self.switch_mlp(x32[..., None, None, :], idx, w, self.limit, use_kernels)
+        return _moe_sum(y, self.shared_experts(x), x)
+
+
+@mx.compile
+def _moe_sum(routed: mx.array, shared: mx.array, x: mx.array) -> mx.array:
+    """Σ over the routed slots [..., K, 1, D] plus the shared expert, rounded to x's dtype, as
+    one kernel (the slot sum unrolled in the order `.sum` adds)."""
+    slots = [routed[..., k, 0, :] for k in range(routed.shape[-3])]
+    return (unrolled_sum(slots) + shared.astype(mx.float32)).astype(x.dtype)
 
 
 # ---------------------------------------------------------------- hyper-connections
-
-
-@partial(mx.compile, shapeless=True)  # ~80 tiny ops per call: fuse them
-def _sinkhorn(logits: mx.array, iters: int, eps: float) -> mx.array:
-    """Row softmax + eps, one column normalization, then (iters - 1) × (row, column)."""
-    c = mx.softmax(logits, axis=-1, precise=True) + eps
-    c = c / (c.sum(axis=-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
-        c = c / (c.sum(axis=-1, keepdims=True) + eps)
-        c = c / (c.sum(axis=-2, keepdims=True) + eps)
-    return c
-
-
-def _hc_mix(streams: mx.array, fn: mx.array, eps: float) -> mx.array:
-    """Unweighted RMS norm over all streams, then the learned projection (float32)."""
-    flat = streams.reshape(*streams.shape[:2], -1).astype(mx.float32)
-    return mx.fast.rms_norm(flat, None, eps) @ fn.T
+# The mixing, the Sinkhorn normalisation and both paths are bitnest_mlx/layers/dsv4_hc.py.
 
 
 class Block(nn.Module):
@@ -248,34 +253,32 @@ class Block(nn.Module):
         self.ffn_norm = norm(slots, f"{p}.ffn_norm", args.rms_norm_eps)
         self.attn = Attention(args, layer, slots)
         self.ffn = MoE(args, layer, slots)
+        self.hc = dsv4_hc.HCShape(
+            args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps
+        )
         for site in ("attn", "ffn"):
             for part, fill in (("fn", 0.0), ("base", 0.0), ("scale", 1.0)):
                 name = f"hc_{site}_{part}"
                 setattr(self, name, tensor(slots, f"{p}.{name}", fill))
 
-    def _hc_pre(self, streams: mx.array, site: str):
-        a, hc = self.args, self.args.hc_mult
+    def _hc_pre(self, streams: mx.array, site: str, use_kernels: bool = True):
+        """(the sublayer's normed input, post, comb) of hyper-connection `site` ("attn" or
+        "ffn")."""
         fn, base, scale = (getattr(self, f"hc_{site}_{n}") for n in ("fn", "base", "scale"))
-        m = _hc_mix(streams, fn, a.rms_norm_eps)
-        pre = mx.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + a.hc_eps
-        post = 2 * mx.sigmoid(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
-        comb = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).reshape(*m.shape[:2], hc, hc)
-        comb = _sinkhorn(comb, a.hc_sinkhorn_iters, a.hc_eps)
-        x = (pre[..., None] * streams).sum(axis=2).astype(streams.dtype)
-        return x, post, comb
+        norm = getattr(self, f"{site}_norm")
+        return dsv4_hc.before(streams, fn, scale, base, self.hc, norm, use_kernels)
 
-    @staticmethod
-    def _hc_post(y: mx.array, streams: mx.array, post: mx.array, comb: mx.array) -> mx.array:
-        # Output stream k = post_k · y + Σ_j comb[j, k] · stream j, i.e. combᵀ (not comb).
-        mixed = comb.swapaxes(-1, -2) @ streams.astype(mx.float32)
-        return (post[..., None] * y[:, :, None].astype(mx.float32) + mixed).astype(streams.dtype)
+    def _hc_post(
+        self, y: mx.array, streams: mx.array, post: mx.array, comb: mx.array, use_kernels: bool
+    ) -> mx.array:
+        return dsv4_hc.after(y, streams, post, comb, use_kernels)
 
     def __call__(self, streams: mx.array, ids: mx.array, cache: DSV4Cache, o: RunOptions):
-        x, post, comb = self._hc_pre(streams, "attn")
-        streams = self._hc_post(self.attn(self.attn_norm(x), cache, o.qat), streams, post, comb)
-        x, post, comb = self._hc_pre(streams, "ffn")
-        y = self.ffn(self.ffn_norm(x), ids, o.use_kernels)
-        return self._hc_post(y, streams, post, comb)
+        use = o.use_kernels
+        x, post, comb = self._hc_pre(streams, "attn", use)
+        streams = self._hc_post(self.attn(x, cache, o.qat), streams, post, comb, use)
+        x, post, comb = self._hc_pre(streams, "ffn", use)
+        return self._hc_post(self.ffn(x, ids, use), streams, post, comb, use)
 
 
 class Model(BundleWeights, nn.Module):
@@ -283,7 +286,8 @@ class Model(BundleWeights, nn.Module):
 
     The call convention is the bitnest model's: `options` (RunOptions) are the defaults of every
     call (the loader sets them), a call may pass its own. This model reads `use_kernels` (the
-    MXTQ experts' Metal kernels or the pure path) and `qat` (the reference's QAT simulation: FP8
+    Metal kernels of the hyper-connections, the routing and the MXTQ experts, or the pure path)
+    and `qat` (the reference's QAT simulation: FP8
     KV, Hadamard + FP4 indexer); it has one precision, so every `mode` reads the same weights.
     `pipeline(group)` keeps one rank's share of the layers (bitnest_mlx/layers/pipeline.py).
     A bundle's tensors become parameters through `quantize_as` and `sanitize`
@@ -346,9 +350,8 @@ class Model(BundleWeights, nn.Module):
             streams = layer(streams, inputs, c, o)
         streams = stage.hand_on(streams, cache[-1])
         # Final collapse: sigmoid weights only, no Sinkhorn.
-        m = _hc_mix(streams, self.hc_head_fn, a.rms_norm_eps)
-        pre = mx.sigmoid(m * self.hc_head_scale + self.hc_head_base) + a.hc_eps
-        y = (pre[..., None] * streams).sum(axis=2).astype(streams.dtype)
+        scale, base = self.hc_head_scale, self.hc_head_base
+        y = dsv4_hc.head(streams, self.hc_head_fn, scale, base, a.hc_eps, a.rms_norm_eps)
         return self.head(self.norm(y)).astype(mx.float32)
 
     def make_cache(self, max_rollback: int = 32) -> list[DSV4Cache]:

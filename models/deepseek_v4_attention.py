@@ -12,8 +12,12 @@ written once, there, and the model is built from them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from bitnest_mlx.formats.dsv4_schedule import Slot
 from bitnest_mlx.layers.dsv4_cache import CompressorPool
@@ -37,7 +41,9 @@ def tensor(slots: Slots, name: str, fill: float = 0.0) -> mx.array:
     """A plain parameter of slot `name`'s shape (int32 for an "int" slot), filled with `fill`
     until the bundle's values are loaded."""
     slot = slots[name]
-    return mx.full(slot.shape, fill, mx.int32 if slot.kind == "int" else mx.float32)
+    dtype = mx.int32 if slot.kind == "int" else mx.float32
+    # A fill array, not a number: mx.full makes a float fill float32 whatever dtype says.
+    return mx.full(slot.shape, mx.array(fill, dtype=dtype))
 
 
 class Compressor(nn.Module):
@@ -53,12 +59,19 @@ class Compressor(nn.Module):
         self.head_dim = self.norm.weight.shape[0]
         self._rope = rope  # shared with the attention; not a parameter
 
-    def __call__(self, x: mx.array, pool: CompressorPool, offset: int) -> mx.array:
-        """Feed positions offset.. offset+L-1; return all entries so far [B, n, head_dim]."""
-        B, L, _ = x.shape
-        r = self.ratio
-        kv = self.wkv(x).astype(mx.float32)
-        gate = self.wgate(x).astype(mx.float32) + self.ape[(offset + mx.arange(L)) % r]
+    def __call__(
+        self,
+        x: mx.array,
+        pool: CompressorPool,
+        offset: int,
+        finish: Callable[[mx.array], mx.array] | None = None,
+    ) -> mx.array:
+        """Feed positions offset.. offset+L-1; return all entries so far [B, n, head_dim]:
+        float32, or as `finish` makes each new entry once (the attention's keys)."""
+        L, r = x.shape[1], self.ratio
+        # Raw rows stay in the projections' dtype: widened to float32, with the position bias
+        # added, only when their block is pooled (once, not a conversion every step).
+        kv, gate = self.wkv(x), self.wgate(x)
         if pool.kv is None:
             pool.kv, pool.gate, pool.start = kv, gate, offset
         else:
@@ -67,18 +80,21 @@ class Compressor(nn.Module):
         first, last = pool.num_entries, (offset + L) // r
         if last > first:
             new = self._pool_blocks(pool, first, last)
+            new = new if finish is None else finish(new)
             pool.entries = new if pool.entries is None else mx.concatenate([pool.entries, new], 1)
-        if pool.entries is None:
-            return mx.zeros((B, 0, self.head_dim), dtype=x.dtype)
+        if pool.entries is None:  # none yet: an empty view, not an array to make
+            return kv[:, :0, : self.head_dim]
         return pool.entries
 
     def _pool_blocks(self, pool: CompressorPool, first: int, last: int) -> mx.array:
         r, d = self.ratio, self.head_dim
         B, m = pool.kv.shape[0], last - first
         lo = max(first - int(pool.overlap), 0) * r - pool.start
-        kv = pool.kv[:, lo : last * r - pool.start]
+        kv = pool.kv[:, lo : last * r - pool.start].astype(mx.float32)
         gate = pool.gate[:, lo : last * r - pool.start]
+        # Blocks start at multiples of r: row i of a block is at position ≡ i (mod r).
         kv, gate = kv.reshape(B, -1, r, kv.shape[-1]), gate.reshape(B, -1, r, gate.shape[-1])
+        gate = gate.astype(mx.float32) + self.ape
         if pool.overlap:
             if first == 0:  # entry 0 has no previous block: zero rows with zero weight
                 kv = mx.concatenate([mx.zeros_like(kv[:, :1]), kv], axis=1)
@@ -112,10 +128,11 @@ class Indexer(nn.Module):
         qr: mx.array,
         pool: CompressorPool,
         offset: int,
-        visible: mx.array,
+        visible: np.ndarray,
         qat: bool,
-    ) -> mx.array:
-        """visible [1, L, N] -> [B or 1, L, N]: the entries each query attends to."""
+    ) -> np.ndarray | mx.array:
+        """visible [L, N] (host) -> the entries each query attends to: `visible` itself when
+        there are at most top-k entries, else [B, L, N] on the device."""
         B, L, _ = x.shape
         keys = self.compressor(x, pool, offset)
         if keys.shape[1] <= self.topk:
@@ -124,15 +141,27 @@ class Indexer(nn.Module):
         q = self._rope(q, offset=offset)
         if qat:
             q, keys = hadamard_fp4(q), hadamard_fp4(keys)
-        scores = mx.maximum(q.astype(mx.float32) @ keys[:, None].swapaxes(-1, -2), 0)
-        w = self.weights_proj(x).astype(mx.float32) * (self.n_heads**-0.5 * self.head_dim**-0.5)
-        score = (scores * w.transpose(0, 2, 1)[..., None]).sum(axis=1)  # [B, L, N]
-        score = mx.where(visible, score, -mx.inf)
-        top = mx.argpartition(-score, self.topk - 1, axis=-1)[..., : self.topk]
+        scale = self.n_heads**-0.5 * self.head_dim**-0.5
+        logits = q.astype(mx.float32) @ keys[:, None].swapaxes(-1, -2)  # [B, H, L, N]
+        score = _weighted(logits, self.weights_proj(x), scale).sum(axis=1)  # [B, L, N]
+        shown = mx.array(visible)
+        top = mx.argpartition(_hidden_last(score, shown), self.topk - 1, axis=-1)
         chosen = mx.put_along_axis(
-            mx.zeros(score.shape, dtype=mx.bool_), top, mx.array(True), axis=-1
+            mx.zeros(score.shape, dtype=mx.bool_), top[..., : self.topk], mx.array(True), axis=-1
         )
-        return chosen & visible
+        return chosen & shown
+
+
+@partial(mx.compile, shapeless=True)
+def _weighted(logits: mx.array, w: mx.array, scale: float) -> mx.array:
+    """relu(q·k) times each head's weight [B, L, H] (the index scoring's elementwise part)."""
+    return mx.maximum(logits, 0) * (w.astype(mx.float32) * scale).transpose(0, 2, 1)[..., None]
+
+
+@partial(mx.compile, shapeless=True)
+def _hidden_last(score: mx.array, shown: mx.array) -> mx.array:
+    """The arg-partition's key: -score, invisible entries last."""
+    return -mx.where(shown, score, -mx.inf)
 
 
 __all__ = ["Compressor", "Indexer"]

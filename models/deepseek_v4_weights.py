@@ -20,6 +20,15 @@ from bitnest_mlx.layers import expert_store
 from bitnest_mlx.layers.expert_store import ExpertStore
 from bitnest_mlx.layers.mxtq_linear import MXTQSwitchLinear
 
+# Float parameters only float32 math reads besides the hyper-connections' `hc_*` (the router,
+# the compressors' position bias and norm): loaded at the model dtype's precision but held as
+# float32.
+FLOAT32_MATH = ("ffn.gate.weight", "ffn.gate.bias", "compressor.ape", "compressor.norm.weight")
+
+
+def float32_math(key: str) -> bool:
+    return key.rpartition(".")[2].startswith("hc_") or key.endswith(FLOAT32_MATH)
+
 
 class BundleWeights:
     """The bundle -> parameters mapping of the DeepSeek-V4 `Model` (a mixin: it reads the
@@ -96,6 +105,10 @@ class BundleWeights:
                 raise BundleError(f"{key}: no such model parameter")
             keep = key.endswith((".scales", ".biases")) and not key.startswith("embed.")
             out[key] = a.astype(target.dtype) if a.dtype != target.dtype and not keep else a
+            if float32_math(key) and out[key].dtype != mx.float32:
+                # The model dtype's values, held in float32: the same numbers the per-call
+                # widening gave, without a conversion kernel a call.
+                out[key] = out[key].astype(mx.float32)
         return out
 
     def _on_disk(self, key: str) -> bool:

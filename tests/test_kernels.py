@@ -17,6 +17,7 @@ import mlx_lm  # noqa: F401  (its bitnest hook imports the model first: avoids a
 import numpy as np
 import pytest
 import tools
+from dsv4_kernel_cases import DSV4_CASES, DSV4_MUTATIONS, DSV4_SELF_TESTS, LOW_PRECISION_REL
 from factory import make_package
 from metal_emu import emulator, syntax
 from metal_emu.emulator import InlineSpec
@@ -41,6 +42,7 @@ SELF_TESTS = {
     "mxtq_gather": mxtq_linear.gather_self_test,
     "mxtq_swiglu": mxtq_linear.swiglu_self_test,
     "hadamard": mxtq_linear.hadamard_self_test,
+    **DSV4_SELF_TESTS,
 }
 
 needs_cxx = tools.needs(emulator.cxx(), why="the Metal emulator compiles kernels with it")
@@ -278,6 +280,7 @@ CASES = {
     "mxtq_gather": (mxtq_case, MXTQ, 2e-5),
     "mxtq_swiglu": (mxtq_swiglu_case, MXTQ_SWIGLU, 2e-5),
     "hadamard": (hadamard_case, HADAMARD, 2e-5),
+    **DSV4_CASES,
 }
 ALL = [(kind, name) for kind, (_, table, _) in CASES.items() for name in table]
 
@@ -290,6 +293,8 @@ def build(kind: str, name: str):
         rel = 5e-3  # the pure path rounds a8(x) to fp16 before the matmul; the kernel does not
     elif kind in ("nested_kv", "head_hadamard") and case[-1] == mx.float16:
         rel = 2e-3  # fp16 output rounding
+    elif kind in DSV4_CASES:
+        rel = max(rel, *(LOW_PRECISION_REL.get(a, 0) for a in case))
     return call, want, rel
 
 
@@ -367,6 +372,7 @@ MUTATIONS = {
     "mxtq_swiglu": ("2bit_clamped_ragged_out", "metal::min(g, limit)", "metal::min(g, 2 * limit)"),
     # The cross-simdgroup stage forgets the minus signs of H_4.
     "hadamard": ("d512", "? -t : t", "? t : t"),
+    **DSV4_MUTATIONS,
 }
 
 
@@ -749,6 +755,7 @@ def test_syntax_check_catches_a_planted_typo(generated_sources, msl_checker, spe
         "metal::exp(",
         "metal::simd_max(",
         "metal::simd_shuffle_xor(",
+        "metal::fma(",
     )
     call = next(b for b in builtins if b in src)
     start = src.index(call)

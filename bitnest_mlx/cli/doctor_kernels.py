@@ -17,9 +17,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .. import kernels
+from ..layers.dsv4_hc import after_self_test, before_self_test
+from ..layers.dsv4_route import route_self_test
 from ..layers.dual_plane import grouped_self_test, matmul_self_test
+from ..layers.hadamard import head_hadamard_self_test
 from ..layers.mxtq_linear import gather_self_test, hadamard_self_test, swiglu_self_test
-from ..layers.nested_kv import attention_self_test
+from ..layers.nested_kv import attention_self_test, write_self_test
 
 Pair = tuple[mx.array, mx.array]  # (kernel output, pure-path output)
 
@@ -49,12 +52,17 @@ CHECKS = (
         "nested-KV attention KV4, L=1 (+ merge)", _layer(attention_self_test, draft=True, rows=1)
     ),
     Check("nested-KV attention KV8, L=4 (+ merge)", _layer(attention_self_test, rows=4)),
+    Check("KV write: K and V to both nested planes", _layer(write_self_test)),
+    Check("R3 of q and k (head Hadamard)", _layer(head_hadamard_self_test)),
     Check("Hadamard rotation d=4096 and 2048", _layer(hadamard_self_test)),
     *(Check(f"MXTQ gather {b}-bit", _layer(gather_self_test, widths=(b,))) for b in (2, 4)),
     *(
         Check(f"MXTQ gate+up+SwiGLU {b}-bit (fused)", _layer(swiglu_self_test, widths=(b,)))
         for b in (2, 4)
     ),
+    Check("DeepSeek-V4 hyper-connection pre (gates, Sinkhorn, norm)", _layer(before_self_test)),
+    Check("DeepSeek-V4 hyper-connection post", _layer(after_self_test)),
+    Check("DeepSeek-V4 MoE routing (top-k and hash)", _layer(route_self_test)),
 )
 
 

@@ -17,7 +17,9 @@ from .dual_plane import (
     dual_plane_supported,
 )
 from .head_hadamard import HEAD_HADAMARD, head_hadamard, head_hadamard_supported
+from .hyper_connection import HC_POST, HC_PRE, hc_post, hc_pre, hc_supported
 from .launch import KernelSpec, Launch, Runner, metal_runner, run
+from .moe_route import MOE_ROUTE, moe_route
 from .mxtq import (
     HADAMARD,
     MXTQ_GATHER,
@@ -51,15 +53,21 @@ SPECS = (
     MXTQ_GATHER,
     MXTQ_SWIGLU,
     HADAMARD,
+    HC_PRE,
+    HC_POST,
+    MOE_ROUTE,
 )
 
 __all__ = [
     "A8_QUANTIZE",
     "DUAL_PLANE",
     "HADAMARD",
+    "HC_POST",
+    "HC_PRE",
     "HEAD_HADAMARD",
     "LANE_COLS",
     "MAX_M",
+    "MOE_ROUTE",
     "MXTQ_GATHER",
     "MXTQ_ROWS",
     "MXTQ_SWIGLU",
@@ -81,8 +89,12 @@ __all__ = [
     "head_hadamard",
     "head_hadamard_supported",
     "hadamard_supported",
+    "hc_post",
+    "hc_pre",
+    "hc_supported",
     "kv_geometry",
     "metal_runner",
+    "moe_route",
     "mxtq_gather_matvec",
     "mxtq_gather_supported",
     "mxtq_gather_swiglu",

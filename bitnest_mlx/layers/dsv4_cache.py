@@ -10,7 +10,8 @@ import mlx.core as mx
 
 
 class CompressorPool:
-    """One compressor's state: raw (kv, gate + ape) rows and the compressed entries so far.
+    """One compressor's state: raw (kv, gate) rows, as the projections gave them, and the
+    compressed entries so far (float32, or as the attention reads them: its compressor's).
 
     Entries are immutable once their block is complete, so rollback keeps floor(p/ratio) of
     them; the raw rows of the pending block (and, at ratio 4, the block before it, whose first

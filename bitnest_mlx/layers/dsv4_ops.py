@@ -7,6 +7,8 @@ knows a layer schedule or a checkpoint name.
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import YarnRoPE
@@ -34,13 +36,36 @@ class PartialRoPE(nn.Module):
             mscale=1,
             mscale_all_dim=1,
         )
+        self._freqs = {}  # (width, inverse) -> the periods of all width / 2 pairs
 
     def __call__(
         self, x: mx.array, offset: int, scale: float = 1.0, inverse: bool = False
     ) -> mx.array:
-        """x [..., T, D]: row i is rotated at position (offset + i) · scale."""
-        rot = self.rope(x[..., -self.dims :], offset=offset, scale=scale, inverse=inverse)
-        return mx.concatenate([x[..., : -self.dims], rot], axis=-1)
+        """x [..., T, D]: row i is rotated at position (offset + i) · scale.
+
+        One mx.fast.rope over all D channels, no slice and concatenation: the D - dims leading
+        channels' pairs get an infinite period, so they turn by angle 0 (cos 1, sin 0) and keep
+        their values (a zero may change sign)."""
+        width = x.shape[-1]
+        return mx.fast.rope(
+            x,
+            width,
+            traditional=True,
+            base=None,
+            scale=scale,
+            offset=offset,
+            freqs=self.periods(width, inverse),
+        )
+
+    def periods(self, width: int, inverse: bool = False) -> mx.array:
+        """The rope periods of a width-channel head (negated: the inverse rotation), made once
+        per width: made per call, they would be a kernel a call."""
+        key = (width, inverse)
+        if key not in self._freqs:
+            still = mx.full(((width - self.dims) // 2,), mx.inf)
+            freqs = mx.concatenate([still, self.rope._freqs])
+            self._freqs[key] = -freqs if inverse else freqs
+        return self._freqs[key]
 
 
 def fp8_fake_quant(x: mx.array, block: int = 64) -> mx.array:
@@ -64,14 +89,28 @@ def fp4_fake_quant(x: mx.array, block: int = 32) -> mx.array:
     return q.reshape(x.shape).astype(x.dtype)
 
 
-def swiglu_clamped(gate: mx.array, up: mx.array, limit: float) -> mx.array:
-    """The reference clamps gate from above only and up on both sides (none when limit <= 0).
+@partial(mx.compile, shapeless=True)  # one kernel for clamp, SiLU, product (and weight)
+def swiglu_clamped(
+    gate: mx.array, up: mx.array, limit: float, weight: mx.array | None = None
+) -> mx.array:
+    """The reference clamps gate from above only and up on both sides (none when limit <= 0);
+    `weight` (a routed slot's route weight) scales the result.
 
     Here, not in the model, because the MXTQ experts' fused kernel and its pure path
     (layers/mxtq_linear.py) apply the same rule."""
     if limit > 0:
         gate, up = mx.minimum(gate, limit), mx.clip(up, -limit, limit)
-    return nn.silu(gate) * up
+    out = nn.silu(gate) * up
+    return out if weight is None else out * weight
+
+
+def unrolled_sum(parts: list[mx.array]) -> mx.array:
+    """((p0 + p1) + p2) + ...: a short reduction as elementwise adds, in the order MLX's
+    reductions accumulate, so a compiled chain gives `.sum(axis)`'s bits in one kernel."""
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
 
 
 def hadamard_fp4(x: mx.array) -> mx.array:
@@ -79,4 +118,11 @@ def hadamard_fp4(x: mx.array) -> mx.array:
     return fp4_fake_quant(mx.hadamard_transform(x.astype(mx.float32)))
 
 
-__all__ = ["PartialRoPE", "fp8_fake_quant", "fp4_fake_quant", "hadamard_fp4", "swiglu_clamped"]
+__all__ = [
+    "PartialRoPE",
+    "fp8_fake_quant",
+    "fp4_fake_quant",
+    "hadamard_fp4",
+    "swiglu_clamped",
+    "unrolled_sum",
+]

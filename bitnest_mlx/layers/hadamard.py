@@ -58,11 +58,14 @@ def rotate_heads(q: mx.array, k: mx.array, use_kernels: bool = True) -> tuple[mx
     return r3(q), r3(k)
 
 
-def head_hadamard_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx.array]:
+def head_hadamard_self_test(
+    runner: kernels.Runner | None = None, big: bool = False
+) -> tuple[mx.array, mx.array]:
     """(kernel, pure) R3 of a decode step's q and k at head_dim 128 (GQA 3) and of a 4-token
-    verify at head_dim 64."""
+    verify at head_dim 64; `big`: a 512-token prefill at head_dim 128."""
+    cases = (((24, 8, 512, 128), 1),) if big else (((24, 8, 1, 128), 1), ((4, 2, 4, 64), 2))
     got, want = [], []
-    for (hq, hkv, rows, d), seed in (((24, 8, 1, 128), 1), ((4, 2, 4, 64), 2)):
+    for (hq, hkv, rows, d), seed in cases:
         k1, k2 = mx.random.split(mx.random.key(seed))
         q = mx.random.normal((1, hq, rows, d), key=k1) * 4
         k = mx.random.normal((1, hkv, rows, d), key=k2) * 4

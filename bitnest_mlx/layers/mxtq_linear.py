@@ -9,6 +9,7 @@ takes a bundle's tensors as they are. Math is float32; the output takes the inpu
 from __future__ import annotations
 
 import math
+from functools import cache, partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -98,8 +99,7 @@ class _MXTQBase(nn.Module):
         positions = self.in_features // cpb
         chunks = x_rot.reshape(*x_rot.shape[:-1], positions, cpb)
         table = (chunks @ self._byte_values.T).reshape(*x_rot.shape[:-1], -1)
-        offsets = mx.arange(positions, dtype=mx.uint32) * 256
-        at = packed.view(mx.uint8).astype(mx.uint32) + offsets  # [..., out, positions]
+        at = _table_index(packed.view(mx.uint8), _byte_offsets(positions))  # [..., out, positions]
         y = mx.take_along_axis(table, at.reshape(*at.shape[:-2], 1, -1), axis=-1)
         return y.reshape(*y.shape[:-1], self.out_features, positions).sum(-1)
 
@@ -211,10 +211,9 @@ class MXTQSwitchLinear(_MXTQBase):
         batch = tuple(np.broadcast_shapes(x_rot.shape[:-2], indices.shape))
         if math.prod(batch) * self._expert_bytes <= self.max_dequant_bytes:
             codes, norms, ids = routed or self._routed(indices)
-            y = self._matvec(x_rot, codes[ids])
-            return y * norms[ids].astype(mx.float32)[..., None, :]
+            return _times_norms(self._matvec(x_rot, codes[ids]), norms[ids])
         y = self._grouped(x_rot, mx.broadcast_to(indices, batch), batch)
-        return y * self.tq_norms[indices].astype(mx.float32)[..., None, :]
+        return _times_norms(y, self.tq_norms[indices])
 
     def _grouped(self, x_rot: mx.array, indices: mx.array, batch: tuple) -> mx.array:
         m = x_rot.shape[-2]
@@ -255,6 +254,26 @@ class MXTQSwitchLinear(_MXTQBase):
 
 
 Routed = tuple[mx.array, mx.array, mx.array]  # (codes, norms, ids into them) of one stack
+
+
+@cache
+def _byte_offsets(positions: int) -> mx.array:
+    """256 · j for byte position j: where position j's table starts (a constant, evaluated once:
+    made per call it would be a kernel a call)."""
+    offsets = mx.arange(positions, dtype=mx.uint32) * 256
+    mx.eval(offsets)
+    return offsets
+
+
+@partial(mx.compile, shapeless=True)
+def _table_index(code_bytes: mx.array, offsets: mx.array) -> mx.array:
+    return code_bytes.astype(mx.uint32) + offsets
+
+
+@partial(mx.compile, shapeless=True)
+def _times_norms(y: mx.array, norms: mx.array) -> mx.array:
+    """y [..., M, out] times its rows' norms [..., out] (stored float16), one kernel."""
+    return y * norms[..., None, :].astype(mx.float32)
 
 
 def route(layers: list[MXTQSwitchLinear], indices: mx.array) -> list[Routed]:
@@ -312,7 +331,7 @@ def routed_glu(
         xu = xr if same_rotation(gate, up) else up.rotate(x, use_kernels)
         g = gate.apply_rotated(xr, indices, use_kernels, stacks[0])
         u = up.apply_rotated(xu, indices, use_kernels, stacks[1])
-        h = swiglu_clamped(g, u, limit) * weights[..., None, None]
+        h = swiglu_clamped(g, u, limit, weights[..., None, None])
     return down.apply_rotated(down.rotate(h, use_kernels), indices, use_kernels, stacks[2])
 
 

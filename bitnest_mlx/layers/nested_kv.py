@@ -277,12 +277,15 @@ def kernel_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx
     return mx.concatenate(got, axis=2), mx.concatenate(want, axis=2)
 
 
-def write_self_test(runner: kernels.Runner | None = None) -> tuple[mx.array, mx.array]:
+def write_self_test(
+    runner: kernels.Runner | None = None, big: bool = False
+) -> tuple[mx.array, mx.array]:
     """(kernel, pure) KV8 of K and V as the write kernel and `nest_quantize` store them: a
     decode token and a 3-token verify write, head_dim 128 at group 64 and 64 at group 32, an
-    all-zero row among them (its scale is 1)."""
+    all-zero row among them (its scale is 1); `big`: a 512-token prefill of 8 kv heads."""
+    cases = (((1, 8, 512, 128), 64),) if big else (((1, 8, 1, 128), 64), ((1, 2, 3, 64), 32))
     got, want = [], []
-    for shape, group in (((1, 8, 1, 128), 64), ((1, 2, 3, 64), 32)):
+    for shape, group in cases:
         k1, k2 = mx.random.split(mx.random.key(group), 2)
         k = mx.random.normal(shape, key=k1) * 3
         v = mx.random.normal(shape, key=k2).at[..., 0, :].multiply(0.0)
