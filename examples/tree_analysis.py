@@ -14,11 +14,13 @@ give p and q at every position; along the text:
   at depth j with probability 1 - Π_k (1 - β_k), β_k = Σ min(p_k, q), p_1 = p,
   p_{k+1} = norm(max(p_k - q, 0)); expected tokens per round from every position.
 
-Each shape is priced at M4 Max's v(M) (pure and kernel paths; `speed_model`): draft calls of
-(1, level widths...) rows at c each, a verify pass of nodes + 1 rows. Chains are the shapes
-(1, 1, ...). Approximations: the draft reads its own teacher-forced KV, not the target-written
-cache of the real loop, and static shapes only (dynamic trees such as EAGLE-2's expand where
-the draft is confident, which this does not measure).
+Each shape is priced by step time on an M4 Max (pure and kernel paths; `speed_model`,
+`measurement.step_costs`: the package's bytes and counted kernels): draft calls of (1, level
+widths...) rows, a verify pass of nodes + 1 rows (v(M) on its bytes, its kernels launched once)
+and the round's sync. Chains are the shapes (1, 1, ...). Approximations: the draft reads its
+own teacher-forced KV, not the target-written cache of the real loop, and static shapes only
+(dynamic trees such as EAGLE-2's expand where the draft is confident, which this does not
+measure).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from bitnest_mlx.layers.dual_plane import keep_dense
 from bitnest_mlx.layers.options import RunOptions
 from bitnest_mlx.measurement.workloads import cost_models, load_workload, prompt_ids
 from bitnest_mlx.runtime.sampling import Sampler
+from bitnest_mlx.runtime.speed_model import Round
 
 BUDGETS = (4, 8, 16)
 MAX_BRANCH = 4
@@ -131,8 +134,10 @@ def draft_vocab_misses(model, prompt: list[int], generated: list[int]) -> np.nda
 
 
 def price(b: tuple[int, ...], tokens: float, cost) -> float:
+    """Speed-up of shape `b` over target-only: draft calls of (1, level widths...) rows, a verify
+    pass of nodes + 1 rows and the round's sync, by step time (`CostModel.round`)."""
     w = widths(b)
-    return tokens / (cost.draft([1, *w[:-1]]) + cost.verify(nodes(b) + 1))
+    return tokens / cost.round(Round("tree", nodes(b), 0, (1, *w[:-1])))
 
 
 def analyse(rows: list[tuple[np.ndarray, np.ndarray]], temp: float, costs: dict) -> dict:

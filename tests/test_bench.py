@@ -6,7 +6,11 @@ from bitnest_mlx import load
 from bitnest_mlx.cli import bench
 from bitnest_mlx.cli.bench import CHIPS, roofline
 from bitnest_mlx.formats import bitnest
+from bitnest_mlx.measurement.workload_rounds import DEFAULTS_QWEN05
 from bitnest_mlx.runtime.demo import demo_path
+
+# The reports' kernels from the stored table (conftest.stored_kernels): not what these test.
+pytestmark = pytest.mark.usefixtures("stored_kernels")
 
 
 def _bench_json(capsys, *argv: str) -> dict:
@@ -76,7 +80,8 @@ def test_bench_reports_dsv4_bundle_tok_s(capsys):
 
 
 def test_speed_model_of_a_package_reads_its_bytes_without_loading_weights(capsys):
-    from bitnest_mlx.runtime.speed_model import CostModel, best_iid_speedup
+    from bitnest_mlx.measurement import speed_projection, step_costs
+    from bitnest_mlx.runtime.speed_model import best_iid_speedup
 
     path = demo_path()
     out = _bench_json(
@@ -86,14 +91,27 @@ def test_speed_model_of_a_package_reads_its_bytes_without_loading_weights(capsys
     loaded = roofline(model, out["context_tokens"])["bytes_per_token"]
     full, small = out["rows"]["full"], out["rows"]["64"]
     assert full["bytes_per_token"] == loaded and full["draft_vocab"] == model.args.vocab_size
-    speedup, gamma = best_iid_speedup(0.8, CostModel(loaded["draft"] / loaded["target"]))
-    assert (full["speedup"], full["gamma"]) == (speedup, gamma)
-    m1 = full["chips"]["M1"]
-    assert m1["target_tps"] == pytest.approx(68.25e9 / loaded["target"])
-    # Each chip's speedup at its own v(M): an M1 verifies rows dearer than an M4 Max.
-    m1_speedup, _ = best_iid_speedup(0.8, CostModel(full["cost_ratio"], "M1"))
-    assert m1["speculative_tps"] == pytest.approx(m1["target_tps"] * m1_speedup)
-    assert m1_speedup < speedup
+    # Priced by step time: bytes, the kernels of the path (counted; the stored table here) and
+    # a round's sync, each chip at its own constants and v(M).
+    for chip in ("M1", "M4 Max"):
+        for p in ("kernel", "pure"):
+            cost = step_costs.cost_model(model, out["context_tokens"], chip, p)
+            got = full["chips"][chip][p]
+            assert got["target_tps"] == pytest.approx(1 / cost.target_seconds())
+            assert (got["speedup"], got["gamma"]) == best_iid_speedup(0.8, cost)
+            assert got["speculative_tps"] == pytest.approx(got["target_tps"] * got["speedup"])
+            kernels = full["chips"][chip]["kernels_per_token"][p]
+            assert kernels == {"draft": cost.draft_step.kernels, "target": cost.target_step.kernels}
+    # Kernels make a step dearer than its bytes at the chip's bandwidth say.
+    assert full["chips"]["M1"]["pure"]["target_tps"] < 68.25e9 / loaded["target"]
+    assert set(full["chips"]["M4 Max"]["kernel"]["workloads"]) == set(DEFAULTS_QWEN05)
+    assert "workloads" not in small["chips"]["M4 Max"]["kernel"]  # the first row only
+    for bits in ("4bit", "8bit"):
+        peer = out["mlx_lm"][bits]
+        assert peer["kernels_per_token"] > 0 and peer["tps"]["M4 Max"] > peer["tps"]["M1"]
+    # The docs' tables (docs/step-time.md): a row per chip, then a row per workload.
+    lines = [x for x in speed_projection.markdown(out).splitlines() if x.startswith("| ")]
+    assert len(lines) == 2 + len(speed_projection.CHIPS) + len(DEFAULTS_QWEN05)
     # 64 kept ids: the draft's lm_head reads 64 rows (and their ids) instead of the vocabulary's.
     d = model.args.hidden_size
     row = d // 2 + 2 * (d // model.args.group_size)
@@ -117,11 +135,8 @@ def test_speed_model_of_a_checkpoint_config_uses_the_converters_defaults(capsys,
     out = _bench_json(capsys, "--speed-model", "--model", str(tmp_path))
     assert out["group_size"] == 64 and out["vocab_size"] == 49152
     row = out["rows"]["package"]  # a checkpoint's default package keeps every row
-    assert (
-        row["draft_vocab"] == 49152
-        and "speedup" not in row
-        and row["chips"]["M4 Max"]["speculative_tps"] is None
-    )
+    assert row["draft_vocab"] == 49152 and "acceptance" not in row
+    assert "speedup" not in row["chips"]["M4 Max"]["kernel"]
     planes = sum(n * k // 2 for n, k in bitnest.linear_shapes({**config, "head_dim": 64}).values())
     scales = sum(
         n * k // 64 * 2 for n, k in bitnest.linear_shapes({**config, "head_dim": 64}).values()

@@ -19,6 +19,9 @@ from bitnest_mlx.cli import chat, entry, generate
 from bitnest_mlx.cli.args import default_mode
 from bitnest_mlx.runtime.demo import demo_path
 
+# The reports' kernels from the stored table (conftest.stored_kernels): not what these test.
+pytestmark = pytest.mark.usefixtures("stored_kernels")
+
 LONG = ["--max-tokens", "1000", "--temp", "1.0", "--ignore-chat-template"]  # 300+ tokens, seed 0
 
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import pytest
 from bitnest_mlx.models.bitnest_llama import ModelArgs
 
 from bitnest_mlx.measurement import dispatch_graph as dg
 from bitnest_mlx.measurement import dispatches as d
+from bitnest_mlx.measurement import step_costs
+from bitnest_mlx.measurement.speed_projection import spec_of
+from bitnest_mlx.runtime.step_kernels import STORED, STORED_DSV4, PassKernels
 
 TINY = ModelArgs(
     arch="llama",
@@ -77,8 +81,15 @@ def test_mlx_lm_llama_launches_its_seventeen_kernels_per_layer():
     assert c.per_layer_parts["projection"] == 7 and c.per_layer_parts["attention"] == 1
 
 
-def test_bitnest_parts_add_up_and_the_kernel_path_launches_fewer_than_the_pure_path():
-    counts = d.count_bitnest(TINY)
+@pytest.fixture(scope="module")
+def bitnest_counts() -> dict:
+    return d.count_bitnest(TINY)
+
+
+def test_bitnest_parts_add_up_and_the_kernel_path_launches_fewer_than_the_pure_path(
+    bitnest_counts,
+):
+    counts = bitnest_counts
     for path in ("kernel", "pure"):
         for step in ("draft", "target", "verify_4"):
             c = counts[path][step]
@@ -94,6 +105,26 @@ def test_bitnest_parts_add_up_and_the_kernel_path_launches_fewer_than_the_pure_p
     r = counts["kernel"][f"round_gamma_{d.ROUND_GAMMA}"]
     assert r.per_layer >= (d.ROUND_GAMMA + 1) * counts["kernel"]["target"].per_layer - 1e-9
     assert r.syncs >= 1
+
+
+def test_the_runtimes_stored_kernels_are_the_counters_on_the_demos_structure(bitnest_counts):
+    # The controller plans with step_kernels.STORED (counting at load time would take minutes):
+    # a cut to the kernels updates the table, or this fails. TINY is the demo's structure.
+    demo = ModelArgs.from_spec(spec_of("demo"))
+    same = ("arch", "biased", "r3", "k_bias_offset", "smoothing", "draft_vocab")
+    assert all(getattr(demo, f) == getattr(TINY, f) for f in same)
+    assert [r["K"] for r in demo.r4] == [r["K"] for r in TINY.r4[:1]] * demo.num_hidden_layers
+    counted = step_costs.path_kernels(bitnest_counts)
+    assert counted == STORED, f"update runtime/step_kernels.py STORED to {counted}"
+
+
+def test_the_runtimes_stored_bundle_kernels_are_the_counters_on_the_demo_bundle():
+    from bitnest_mlx.runtime.demo import demo_bundle_path
+
+    counted = {
+        p: PassKernels(c.per_layer, c.outside) for p, c in d.count_dsv4(demo_bundle_path()).items()
+    }
+    assert counted == STORED_DSV4, f"update runtime/step_kernels.py STORED_DSV4 to {counted}"
 
 
 def test_the_counter_leaves_mlx_as_it_found_it():

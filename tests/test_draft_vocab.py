@@ -17,6 +17,9 @@ from bitnest_mlx.runtime.sampling import make_sampler
 from bitnest_mlx.runtime.speculative import SpeculativeStats, speculative_generate_step
 from bitnest_mlx.runtime.token_bytes import head_bytes, weight_bytes
 
+# The reports' kernels from the stored table (conftest.stored_kernels): not what these test.
+pytestmark = pytest.mark.usefixtures("stored_kernels")
+
 VOCAB = 64
 
 

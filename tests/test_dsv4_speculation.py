@@ -155,9 +155,12 @@ def test_useless_copies_make_the_controller_fall_back_to_target_steps(model):
 
     forced = go(fallback=False)
     assert forced.accepted == 0 and forced.rounds >= n - 3  # a copy almost every round, never right
-    assert rounds_speedup(forced.round_log, cost) < 0.8
+    # By step time a rejected copy's extra verify row costs its bytes' v(M), not a step: Flash's
+    # kernels are launched once a pass, and they are a good part of its step.
+    assert rounds_speedup(forced.round_log, cost) < 0.93
     fell = go(fallback=True)
-    assert fell.fallback and fell.target_steps >= n - 6  # a few copies while the prior decays
+    # Copies while the prior decays: a copy that cheap pays from a low acceptance on.
+    assert fell.fallback and fell.target_steps >= n // 2
     assert rounds_speedup(fell.round_log, cost) >= 0.95
 
 

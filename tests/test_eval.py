@@ -17,6 +17,9 @@ from bitnest_mlx.convert import write_package  # noqa: E402
 from bitnest_mlx.measurement.evaluation import evaluate  # noqa: E402
 from bitnest_mlx.runtime.demo import write_tokenizer  # noqa: E402
 
+# The reports' kernels from the stored table (conftest.stored_kernels): not what these test.
+pytestmark = pytest.mark.usefixtures("stored_kernels")
+
 TEXT = "the mill by the river turned slowly while the water ran under the old stone bridge. " * 8
 
 

@@ -1,5 +1,6 @@
 """eval's sampling acceptance (mean Σ min(p, q) at temp 0.7 / top-p 0.95), the mean accepted
-length of the real speculative loop at fixed γ, and the bandwidth-bound speed model."""
+length of the real speculative loop at fixed γ, and the speed model (bytes only, and by step time
+in eval's report)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from factory import differing_pair, edit_tensors, tiny_package
 import bitnest_mlx
 from bitnest_mlx.cli import eval as eval_cli
 from bitnest_mlx.layers.options import RunOptions
+from bitnest_mlx.measurement import step_costs
 from bitnest_mlx.measurement.evaluation import builtin_prompts, evaluate, sampled_acceptance
 from bitnest_mlx.runtime.sampling import acceptance_probability
 from bitnest_mlx.runtime.speed_model import (
@@ -21,6 +23,9 @@ from bitnest_mlx.runtime.speed_model import (
     speed_model,
     verify_cost,
 )
+
+# The reports' kernels from the stored table (conftest.stored_kernels): not what these test.
+pytestmark = pytest.mark.usefixtures("stored_kernels")
 
 TEXT = "the mill by the river turned slowly while the water ran under the old stone bridge. " * 4
 FAST = dict(max_tokens=96, window=48, gamma=2, spec_tokens=0)  # teacher-forced part only
@@ -135,6 +140,9 @@ def test_eval_reports_the_speed_model_from_the_measured_runs(package):
     model, tokenizer = bitnest_mlx.load(package)
     r = evaluate(model, tokenizer, TEXT, gammas=(2, 3), gen_tokens=16, **FAST)
     runs, speed = r["speculative_sampling"], r["speed_model"]
+    context, kv = speed["context_tokens"], speed["draft_kv"]
+    cost = step_costs.cost_model(model, context, speed["chip"], speed["path"], draft_kv=kv)
+    assert speed["kernels_per_token"]["target"] == cost.target_step.kernels
     assert runs["gen_tokens"] == 16 and set(runs["prompt_tokens"]) == {"code", "prose", "chat"}
     for g, row in runs["gammas"].items():
         assert 0 <= row["mean_accepted"] <= int(g)
@@ -143,9 +151,9 @@ def test_eval_reports_the_speed_model_from_the_measured_runs(package):
         assert row["rounds"] >= 3 * 16 // (int(g) + 1)
         measured = speed["gammas"][g]
         assert measured["measured_tokens_per_round"] == row["tokens_per_round"]
-        v = verify_cost(int(g) + 1, speed["chip"], speed["path"])
+        # Priced by step time: the draft's and target's bytes and kernels, the round's sync.
         assert measured["measured_speedup"] == pytest.approx(
-            row["tokens_per_round"] / (int(g) * speed["cost_ratio"] + v)
+            row["tokens_per_round"] / cost.chain(int(g))
         )
     b = speed["bytes_per_token"]
     assert speed["cost_ratio"] == pytest.approx(b["draft"] / b["target"])

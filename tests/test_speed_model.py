@@ -21,6 +21,9 @@ from bitnest_mlx.runtime.speed_model import (
     verify_cost,
 )
 
+# The reports' kernels from the stored table (conftest.stored_kernels): not what these test.
+pytestmark = pytest.mark.usefixtures("stored_kernels")
+
 ROWS = range(1, 21)
 
 

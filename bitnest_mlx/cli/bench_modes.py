@@ -35,9 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speed-model",
         action="store_true",
-        help="instead of running: --model's bytes per token (a package, or the package convert's "
-        "defaults would write from a Hugging Face checkpoint's config.json; no weight is read) "
-        "and the projected target-only and speculative tok/s on M1 / M2 Pro / M3 Max / M4 Max",
+        help="instead of running: --model's bytes and kernels per token (a package, or what "
+        "convert's defaults would write from a checkpoint's config.json or a preset: no weight "
+        "is read) and projected draft, target and speculative tok/s on M1 / M3 Max / M4 Max / "
+        "M3 Ultra beside mlx-lm's 4 and 8 bits, by step time (docs/step-time.md)",
     )
     p.add_argument(
         "--acceptance",
@@ -118,15 +119,17 @@ def dispatches(model: str, as_json: bool) -> int:
 
 def speed_model(model: str, acceptance: list[tuple[int | str, float]] | None, as_json: bool) -> int:
     """`bench --speed-model`."""
+    from ..convert.checkpoint import PRESETS
+
     sizes: dict[int | str, float | None] = dict(acceptance or [("package", None)])
     path = Path(resolve_model(model))
-    if not (path / "config.json").is_file():
+    if model not in PRESETS and not (path / "config.json").is_file():
         return refuse(
-            f"{model}: --speed-model reads a package or a Hugging Face checkpoint folder, and "
-            f"{path / 'config.json'} does not exist"
+            f"{model}: --speed-model reads a package, a Hugging Face checkpoint folder or a "
+            f"preset ({', '.join(sorted(PRESETS))}), and {path / 'config.json'} does not exist"
         )
     try:
-        result = speed_projection.project(path, sizes)
+        result = speed_projection.project(model if model in PRESETS else path, sizes)
     except (*LOAD_ERRORS, OSError, ValueError, KeyError) as e:
         return refuse(f"{model}: {e}")
     print(json.dumps(result, indent=2) if as_json else speed_projection.report(result))

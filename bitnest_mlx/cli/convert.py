@@ -205,7 +205,7 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
         "target's next-token distribution on held-out calibration sequences; manifest draft, "
         "tensor draft.vocab): it reads K rows instead of the vocabulary's, while the target "
         "still verifies every token. auto (default): the K of 8192, 16384, ... or full with the "
-        "highest projected speedup by the bytes model (a vocabulary of 8192 or fewer stays "
+        "highest projected speedup by the step-time model (a vocabulary of 8192 or fewer stays "
         "full); full: no reduction",
     )
 

@@ -1,5 +1,5 @@
 """`python -m bitnest_mlx.eval` (`bitnest-eval`): perplexity, bits/byte, draft/target agreement,
-sampling acceptance of speculative decoding and its projected speedup on a bandwidth-bound GPU."""
+sampling acceptance of speculative decoding and its projected speedup by step time on a GPU."""
 
 from __future__ import annotations
 

@@ -67,11 +67,13 @@ def _speed(r: Mapping) -> list[str]:
     speed = r.get("speed_model")
     if speed is None:
         return []
-    b = speed["bytes_per_token"]
+    b, k = speed["bytes_per_token"], speed.get("kernels_per_token")
+    launches = "" if k is None else f", {k['draft']:.0f} / {k['target']:.0f} kernels a token"
     lines = [
-        f"projected speed-up on a bandwidth-bound GPU ({speed['context_tokens']} context tokens, "
-        f"draft KV{speed['draft_kv']}; cost ratio c = {b['draft'] / 1e6:.3f} / "
-        f"{b['target'] / 1e6:.3f} MB = {speed['cost_ratio']:.3f})"
+        f"projected speed-up by step time on {speed['chip']}, {speed['path']} path "
+        f"({speed['context_tokens']} context tokens, draft KV{speed['draft_kv']}; draft / target "
+        f"{b['draft'] / 1e6:.3f} / {b['target'] / 1e6:.3f} MB{launches}; bytes, kernels and "
+        "syncs counted here, the constants fitted on an M4 Max: docs/step-time.md)"
     ]
     for g, s in speed["gammas"].items():
         measured = s["measured_speedup"]  # None without sampled runs (--gen-tokens 0)
@@ -110,7 +112,7 @@ def _adaptive(r: Mapping) -> list[str]:
         lines.append(
             f"  {prompt}, projected: "
             + ", ".join(f"{c} {v['pure']:.3f}x / {v['kernel']:.3f}x" for c, v in chips.items())
-            + " (pure / kernel v(M))"
+            + " (pure / kernel path, step time)"
         )
     return lines
 

@@ -2,7 +2,7 @@
 
 Which ids to keep is measured on the written package through the runtime: that is
 `measurement.draft_vocab_score.score_draft_vocabulary` (load the package, rank its tokens,
-choose K by the bytes model), the converter's one import from above its rank
+choose K by the step-time model), the converter's one import from above its rank
 (tests/test_architecture.py). This module stores the choice.
 """
 
@@ -19,7 +19,7 @@ def build_draft_vocab(
     package: str | Path, calibration: np.ndarray, size: int | str = "auto"
 ) -> dict:
     """Choose a written package's draft vocabulary (`score_draft_vocabulary`: K = `size` or,
-    for "auto", the bytes model's; "full" or a K of at least the vocabulary keeps all) and store
+    for "auto", the step-time model's; "full" or a K of at least the vocabulary keeps all) and store
     it (`add_draft_vocab`). `calibration` is [n_seq, seq_len]. Returns the record kept in the
     manifest's `draft.ranking` with the vocabulary size (the same without a draft block)."""
     from ..measurement.draft_vocab_score import score_draft_vocabulary

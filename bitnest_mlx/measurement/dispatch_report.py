@@ -5,12 +5,11 @@ issue's goals per layer-token (kernel path ≤ 1.25x mlx-lm's Llama at the same 
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
-from ..formats.bitnest.files import is_package
 from ..formats.dsv4_bundle import is_bundle
 from . import dispatches as d
+from .speed_projection import spec_of
 
 # Goals per layer-token, as multiples of mlx-lm's Llama (8-bit for the target, 4-bit for the
 # draft) on the same config.
@@ -19,24 +18,8 @@ GOALS = {("kernel", "target"): 1.25, ("kernel", "draft"): 1.25, ("pure", "target
 PEER_BITS = {"target": 8, "draft": 4}
 
 
-def bitnest_spec(model: str):
-    """The spec of a package, of `demo`, or of the package convert's defaults would write from
-    a checkpoint folder or a preset name of `convert make-checkpoint` (llama-3.2-3b)."""
-    from ..convert.checkpoint import PRESETS, preset
-    from ..formats.bitnest.reader import read_spec
-    from ..runtime.demo import resolve_model
-    from .speed_projection import default_spec
-
-    if model in PRESETS:
-        with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "config.json").write_text(json.dumps(preset(model)))
-            return default_spec(Path(tmp))
-    path = Path(resolve_model(model))
-    return read_spec(path) if is_package(path) else default_spec(path)
-
-
 def run_bitnest(model: str) -> dict:
-    spec = bitnest_spec(model)
+    spec = spec_of(model)
     from ..models.bitnest_llama import ModelArgs
 
     args = ModelArgs.from_spec(spec)

@@ -9,12 +9,15 @@ vocabularies number tokens in merge order, roughly by frequency in the tokenizer
 Teacher forcing costs two batched passes over those sequences; sampling the model's own text
 would cost one decode step per token, which on a CPU is most of a conversion's time.
 
-The size K comes from the bytes model (`roofline`): a draft over K ids reads fewer lm_head bytes
-per token (cost ratio c_K) but cannot propose a token outside them. Its acceptance α_K is
-measured directly: the mean Σ min(p, q_K) over the held-out positions, with q_K the draft
-restricted to the top K of the ranking built without those sequences. K maximises the
-projected speedup tokens(α_K, γ) / (γ·c_K + 1) at the best γ, among powers of two from 8192
-below the vocabulary and the full vocabulary; no constant is fitted.
+The size K comes from the step-time model (`roofline` bytes, `step_kernels.STORED` kernels, the
+projections' chip and path): a draft over K ids reads fewer lm_head bytes per token (cost ratio
+c_K) but cannot propose a token outside them. Its acceptance α_K is measured directly: the mean
+Σ min(p, q_K) over the held-out positions, with q_K the draft restricted to the top K of the
+ranking built without those sequences. K maximises the projected speedup tokens(α_K, γ) /
+(chain of γ at the step-time costs) at the best γ, among powers of two from 8192 below the
+vocabulary and the full vocabulary; no constant is fitted here. The kernels are the runtime's
+stored counts (a decision, like the controller's at run time: counting the package's graph
+would add minutes to a conversion); a reduced vocabulary's few gathers are not among them.
 
 The converter (`convert/draft_vocab.py`) writes what this chooses; it imports nothing else from
 above its rank (tests/test_architecture.py).
@@ -33,9 +36,10 @@ from ..formats.bitnest.files import read_json
 from ..layers.draft_vocab import DraftVocabHead
 from ..layers.options import RunOptions
 from ..runtime.loader import load
-from ..runtime.speed_model import CostModel, best_iid_speedup
+from ..runtime.speed_model import DEFAULT_CHIP, DEFAULT_PATH, best_iid_speedup
+from ..runtime.step_kernels import STORED
 from .evaluation import SAMPLING
-from .roofline import roofline
+from .step_costs import cost_model
 
 SMALLEST_K = 8192
 HELD_OUT_TOKENS = 1024  # calibration positions teacher-forced for α_K and the model's own text
@@ -129,20 +133,20 @@ def acceptance_by_size(
 
 
 def choose_draft_vocab(model, alphas: dict[int, float], context: int) -> tuple[int, dict]:
-    """K by the bytes model (module docstring) from the measured α_K, and the table behind it."""
+    """K by the step-time model (module docstring) from the measured α_K, and the table behind
+    it."""
     vocab = model.args.vocab_size
     rows = {}
     for k, alpha in alphas.items():
         if k < vocab:
             ids = mx.array(np.arange(k, dtype=np.int32))  # which ids does not change the bytes
             model.draft_head = DraftVocabHead.from_lm_head(model.lm_head, ids)
-        roof = roofline(model, context)["bytes_per_token"]
+        cost = cost_model(model, context, DEFAULT_CHIP, DEFAULT_PATH, counts=STORED)
         model.draft_head = None
-        c = roof["draft"] / roof["target"]
-        speedup, gamma = best_iid_speedup(alpha, CostModel(c))
+        speedup, gamma = best_iid_speedup(alpha, cost)
         rows[str(k)] = {
             "acceptance": round(alpha, 4),
-            "cost_ratio": round(c, 4),
+            "cost_ratio": round(cost.cost_ratio, 4),
             "speedup": round(speedup, 4),
             "gamma": gamma,
         }
@@ -196,7 +200,7 @@ def score_draft_vocabulary(
         "method": METHOD,
         "calibration_tokens": int(calibration.size),
         "held_out_tokens": int(split_held_out(calibration)[1].size),
-        "chosen_by": "bytes model" if size == "auto" else "--draft-vocab",
+        "chosen_by": "step-time model" if size == "auto" else "--draft-vocab",
         "candidates": table,
         "seconds": round(time.perf_counter() - tic, 1),
     }

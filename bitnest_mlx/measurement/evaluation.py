@@ -14,8 +14,9 @@ from ..layers.options import DRAFT_KV, RunOptions
 from ..runtime.draft_kv import model_kv8_limit, resolve_draft_kv
 from ..runtime.sampling import Sampler, acceptance_probability
 from ..runtime.speculative import SpeculativeStats, speculative_generate_step
-from ..runtime.speed_model import speed_model, verify_table
+from ..runtime.speed_model import DEFAULT_CHIP, DEFAULT_PATH, speed_model, verify_table
 from .roofline import roofline
+from .step_costs import cost_model
 from .workloads import run_prompts, speculate
 
 MODES = ("draft", "target", "float")
@@ -176,11 +177,11 @@ def evaluate(
     reading its KV by `draft_kv` at the window length; both KV readings are also reported);
     the mean accepted length of the greedy speculative loop at `gamma` (`spec_tokens` tokens);
     the sampled speculative loop at each of `gammas` (`sampled_acceptance`, over `prompts`,
-    default `builtin_prompts`; skipped when `gen_tokens` is 0); and the projected speedup on a
-    bandwidth-bound GPU (`speed_model.speed_model`; from the i.i.d. formula alone, at the
+    default `builtin_prompts`; skipped when `gen_tokens` is 0); and the projected speedup by
+    step time on an M4 Max (`speed_model.speed_model`, `step_costs`; i.i.d. only, at the
     windows' context, when `gen_tokens` is 0). The adaptive runs (`adaptive_runs`) follow
-    `draft_source` and `draft_vocab_join` (speculative_generate_step's). `progress(stage,
-    done, total)` is called as each stage's work is done (the CLI's progress bars)."""
+    `draft_source` and `draft_vocab_join`. `progress(stage, done, total)` is called as each
+    stage's work is done (the CLI's progress bars)."""
     tick = progress or _silent
     # A prefix is enough (no token spans 16 characters) and avoids tokenizing a whole book.
     tokens = tokenizer.encode(text[: 16 * max_tokens], verbose=False)[:max_tokens]
@@ -329,14 +330,19 @@ def _greedy_accepted(
 
 
 def _speed(model, context: int, draft_kv: int | str, sum_min_pq: float, per_round: dict) -> dict:
-    """The projected speedup at `context` tokens, the draft reading the KV the policy picks
-    there (`per_round`: tokens per round measured at each γ, or None for the i.i.d. formula)."""
-    roof = roofline(model, context, resolve_draft_kv(draft_kv, model, context))
+    """The projected speedup at `context` tokens by step time on the projections' chip and path
+    (`step_costs`: the model's kernels counted from its graph), the draft reading the KV the
+    policy picks there (`per_round`: tokens per round measured at each γ, or None for the
+    i.i.d. formula)."""
+    kv = resolve_draft_kv(draft_kv, model, context)
+    roof = roofline(model, context, kv)
+    cost = cost_model(model, context, DEFAULT_CHIP, DEFAULT_PATH, draft_kv=kv)
     return {
         "context_tokens": context,
         "draft_kv": roof["draft_kv"],
         "bytes_per_token": roof["bytes_per_token"],
-        **speed_model(roof["bytes_per_token"], sum_min_pq, per_round),
+        "kernels_per_token": {"draft": cost.draft_step.kernels, "target": cost.target_step.kernels},
+        **speed_model(roof["bytes_per_token"], sum_min_pq, per_round, cost=cost),
     }
 
 

@@ -101,14 +101,16 @@ def bits_per_weight(bits: int | None, group_size: int) -> float:
 
 def weight_bytes(config: dict, bits: int | None, group_size: int) -> float:
     """Weight bytes one decode token reads: every layer's projections, the head (the tied
-    embedding read whole), one embedding row, the norms."""
+    embedding read whole; an untied head reads as much), one embedding row, the norms (qwen3's
+    q and k norms too)."""
     h, n = config["hidden_size"], config["num_hidden_layers"]
     q = config["num_attention_heads"] * config["head_dim"]
     kv = config["num_key_value_heads"] * config["head_dim"]
     per_layer = h * (2 * q + 2 * kv) + 3 * h * config["intermediate_size"]
     head = config["vocab_size"] * h
     bpw = bits_per_weight(bits, group_size)
-    norms = n * (2 * h + 2 * config["head_dim"]) + h  # two RMSNorms a layer, q/k norms, final
+    qk_norms = 2 * config["head_dim"] if config.get("model_type") == "qwen3" else 0
+    norms = n * (2 * h + qk_norms) + h  # two RMSNorms a layer, final
     return (n * per_layer + head + h) * bpw / 8 + norms * BF16
 
 

@@ -5,9 +5,10 @@ Four workloads, three prompts each, in `workload_data/` (OpenAI chat messages): 
 (rewrite a given Python function with a stated change), `passage_qa` (summarise or answer over a
 passage of about 1-2 k tokens), `chat` (multi-turn) and `free` (open generation). A run is
 seeded (the Gumbel-max coupling by default: the text is the target-only text whatever is
-drafted), adaptive, and its plans follow the fixed costs of `speed_model` at its default chip;
-every round is logged, so the projection on another chip prices the same rounds at that chip's
-v(M).
+drafted), adaptive, and its plans follow the fixed costs a seeded run plans with on this machine
+(`step_kernels.run_cost`: the projections' default chip off Metal); every round is logged, so
+the projection on each chip prices the same rounds by step time there: the model's bytes at the
+prompt's context, its kernels counted from its graph, a round's host syncs (`step_costs`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import mlx.nn as nn
 
 from ..runtime.sampling import Sampler
 from ..runtime.speculative import SpeculativeStats, speculative_generate_step
-from ..runtime.speed_model import DEFAULT_CHIP, PATHS, CostModel
-from ..runtime.token_bytes import kv_bytes
-from .roofline import roofline
+from ..runtime.speed_model import PATHS, CostModel
+from ..runtime.step_kernels import PathKernels, run_chip
+from .step_costs import cost_model
 
 WORKLOADS = ("code_edit", "passage_qa", "chat", "free")
 # What drafts, by the names of the report: the W4 chain alone, the per-round choice among
@@ -91,16 +92,17 @@ def _emitted(stats: SpeculativeStats) -> int:
 
 
 def cost_models(
-    model: nn.Module, context: int, chips: Sequence[str] = PROJECT_CHIPS
+    model: nn.Module,
+    context: int,
+    chips: Sequence[str] = PROJECT_CHIPS,
+    counts: Mapping[str, PathKernels] | None = None,
 ) -> dict[str, dict[str, CostModel]]:
-    """{chip: {path: CostModel}} at `context` tokens: the draft/target bytes ratio there and
-    the verify pass's KV bytes over its weight bytes."""
-    roof = roofline(model, context, 4)
-    per_token = roof["bytes_per_token"]
-    weights = roof["weight_bytes_per_token"]["target"]
-    kv_fraction = kv_bytes(model.args)[8] * context / weights
-    c = per_token["draft"] / per_token["target"]
-    return {chip: {p: CostModel(c, chip, p, kv_fraction) for p in PATHS} for chip in chips}
+    """{chip: {path: CostModel}} at `context` tokens, priced by step time (`step_costs`: the
+    model's kernels counted once a process unless `counts` are given)."""
+    return {
+        chip: {p: cost_model(model, context, chip, p, counts=counts) for p in PATHS}
+        for chip in chips
+    }
 
 
 def projection(stats: SpeculativeStats, costs: dict[str, dict[str, CostModel]]) -> dict:
@@ -208,7 +210,7 @@ def run_workloads(
             "num_draft_tokens": num_draft_tokens,
             "ngram_tokens": ngram_tokens,
             "draft_vocab_join": draft_vocab_join,
-            "controller_chip": DEFAULT_CHIP,
+            "controller_chip": run_chip(),
             "top_p": 0.95,
         },
         "workloads": out,

@@ -3,9 +3,10 @@ extended by the W4 draft, or nothing (a target-only step), chosen by expected to
 
 A plan of γ tokens emits E = Σ_{i=0..γ} Π_{j<i} α_j tokens (α_j: the measured acceptance of the
 source that drafts position j) and costs its draft calls plus a verify pass of γ + 1 rows.
-Costs are either measured (wall time of this run) or fixed: `speed_model.CostModel`, the
-one table of v(M), in target steps. Seeded runs use fixed costs so that their plans depend on
-the acceptances only, never on timing.
+Costs are either measured (wall time of this run) or fixed: `speed_model.CostModel`, in
+target steps: v(M) on the bytes, and where it is given the draft's and target's kernels, the
+launches and the round's host sync too (step time, docs/step-time.md). Seeded runs use fixed
+costs so that their plans depend on the acceptances only, never on timing.
 """
 
 from __future__ import annotations
@@ -106,8 +107,6 @@ class DraftController:
     # -- costs, in target steps (fixed) or seconds (measured) ---------------------------------
 
     def _verify(self, rows: int) -> float:
-        if self.cost is not None:
-            return self.cost.verify(rows)
         if rows in self.t_verify:
             return self.t_verify[rows]
         ks = list(self.t_verify)
@@ -122,12 +121,12 @@ class DraftController:
         return max(mt + slope * (rows - mk), 1e-9)
 
     def _draft(self, calls: tuple[int, ...]) -> float:
-        if self.cost is not None:
-            return self.cost.draft(calls)
         step = self.t_draft or 0.0  # a wider call costs what a verify pass of its rows adds
         return sum(step * self._verify(r) / self._verify(1) for r in calls)
 
     def round_cost(self, plan: Plan) -> float:
+        if self.cost is not None:  # what the projections charge the round as it would run
+            return self.cost.round(plan.as_round(0))
         return self._draft(plan.draft_calls) + self._verify(plan.gamma + 1)
 
     def expected_tokens(self, plan: Plan) -> float:

@@ -10,6 +10,7 @@ the accept rules, `commit`'s rollback) is the loop's own.
 Its round costs are fixed, not timed: a draftless run never drafts with a model, so the timed
 controller would only ever see 1-row and copy-length passes, and a MoE's verify cost is the
 expert union of `speed_model.DSV4_FLASH`, which the timing of a few rounds would not reveal.
+They are priced by step time (bytes, kernels, the round's sync) on the chip this runs on.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..layers.options import RunOptions
-from .speed_model import DEFAULT_CHIP, DSV4_FLASH, CostModel
+from .speed_model import DSV4_FLASH, CostModel, step_cost_model
+from .step_kernels import FLASH_LAYERS, FLASH_TOKEN_BYTES, STORED_DSV4, run_chip, run_path
+from .step_time import constants
 
 
 class NoDraftError(ValueError):
@@ -36,10 +39,24 @@ def draft_source_for(source: str, name: str = "this model") -> str:
     return "ngram" if source == "auto" else source
 
 
-def bundle_cost() -> CostModel:
-    """Round costs of a DeepSeek-V4 bundle: no draft calls, verify passes at the expert union
-    of Flash's routing on the pure path (its dense layers are MLX affine matmuls)."""
-    return CostModel(0.0, DEFAULT_CHIP, "pure", experts=DSV4_FLASH)
+def bundle_cost(path: str = "pure", chip: str | None = None) -> CostModel:
+    """Round costs of a DeepSeek-V4 bundle at `chip` (default: the one this runs on): no draft
+    calls; a target step of Flash's bytes and layers with the demo bundle's kernels a layer on
+    `path` (`step_kernels.STORED_DSV4`) and one host sync a round; verify passes at the expert
+    union of Flash's routing on the pure path's v(M) (its dense layers are MLX affine
+    matmuls)."""
+    chip = chip or run_chip()
+    kernels = STORED_DSV4[path].per_token(FLASH_LAYERS)
+    return step_cost_model(
+        FLASH_TOKEN_BYTES,
+        0.0,
+        kernels,
+        0.0,
+        chip,
+        "pure",
+        constants=constants(chip),
+        experts=DSV4_FLASH,
+    )
 
 
 class TargetOnly:
@@ -90,7 +107,7 @@ def adapt(
                 f"hold ngram_tokens={ngram_tokens}: make it with "
                 f"make_cache(max_rollback={ngram_tokens}) or lower ngram_tokens"
             )
-    return TargetOnly(model, ngram_tokens), source, cost or bundle_cost()
+    return TargetOnly(model, ngram_tokens), source, cost or bundle_cost(run_path(model))
 
 
 __all__ = ["NoDraftError", "TargetOnly", "adapt", "bundle_cost", "draft_source_for"]

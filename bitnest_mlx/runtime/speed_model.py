@@ -231,8 +231,12 @@ class CostModel:
     one step's kernels), a round adds `round_syncs` host syncs · t_sync (the acceptance read),
     all over a target-only step: its bytes, kernels and `target_step.syncs` (0 when decoding is
     pipelined with mx.async_eval, as mlx-lm's generate_step and ours: each token's read waits
-    on work already launched with the next step queued behind it). `constants` (default:
-    `step_time.constants(chip)`) may carry a doctor's t_k and t_sync for this Mac."""
+    on work already launched with the next step queued behind it). `verify_kernels`: (rows,
+    kernels) of target passes of several rows as counted (the kernel path quantizes each
+    projection's input in its own launch past 2 rows); a pass of M > 1 rows launches those of
+    the fewest counted rows >= M (the widest counted past them), so a count between two
+    counted widths errs high. `constants` (default: `step_time.constants(chip)`) may carry a
+    doctor's t_k and t_sync for this Mac."""
 
     cost_ratio: float
     chip: str = DEFAULT_CHIP
@@ -243,6 +247,7 @@ class CostModel:
     draft_step: Step | None = None
     round_syncs: float = 1.0
     constants: StepConstants | None = None
+    verify_kernels: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if (self.target_step is None) != (self.draft_step is None):
@@ -260,10 +265,19 @@ class CostModel:
     def _step_constants(self) -> StepConstants:
         return self.constants or step_constants(self.chip)
 
-    def _pass(self, step: Step, rows: int) -> float:
-        """Seconds of one pass of `rows` rows: v(rows) on the bytes, one step's kernels."""
+    def _pass(self, step: Step, rows: int, kernels: float | None = None) -> float:
+        """Seconds of one pass of `rows` rows: v(rows) on the bytes, `kernels` (default: one
+        step's) launched once."""
         c = self._step_constants()
-        return c.bytes_seconds(step.nbytes) * self.verify(rows) + step.kernels * c.t_kernel
+        kernels = step.kernels if kernels is None else kernels
+        return c.bytes_seconds(step.nbytes) * self.verify(rows) + kernels * c.t_kernel
+
+    def target_kernels(self, rows: int) -> float:
+        """Kernels a target pass of `rows` rows launches (step time only)."""
+        if rows <= 1 or not self.verify_kernels:
+            return self.target_step.kernels
+        counted = sorted(self.verify_kernels)
+        return next((k for m, k in counted if m >= rows), counted[-1][1])
 
     def target_seconds(self) -> float:
         """Seconds of a target-only step, the unit of every cost here (step time only)."""
@@ -273,7 +287,8 @@ class CostModel:
         """A target pass of `rows` rows in target steps: v(rows) when bytes only."""
         if not self.timed:
             return self.verify(rows)
-        return self._pass(self.target_step, rows) / self.target_seconds()
+        kernels = self.target_kernels(rows)
+        return self._pass(self.target_step, rows, kernels) / self.target_seconds()
 
     def draft(self, calls: Sequence[int]) -> float:
         if not self.timed:
@@ -308,10 +323,12 @@ def step_cost_model(
     target_syncs: float = 0.0,
     constants: StepConstants | None = None,
     experts: ExpertTraffic | None = None,
+    verify_kernels: Sequence[tuple[int, float]] = (),
 ) -> CostModel:
     """A step-time CostModel for `chip` from a package's bytes per token (roofline, at the
     context the rounds run at; `kv_fraction` its KV share of the verify pass) and its kernels
-    per token (`bench --dispatches`: per layer x layers + outside)."""
+    per token (`bench --dispatches`: per layer x layers + outside; `verify_kernels` those of
+    wider target passes, `CostModel`)."""
     return CostModel(
         draft_bytes / target_bytes,
         chip,
@@ -322,6 +339,7 @@ def step_cost_model(
         draft_step=Step(draft_bytes, draft_kernels),
         round_syncs=round_syncs,
         constants=constants,
+        verify_kernels=tuple(verify_kernels),
     )
 
 
