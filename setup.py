@@ -58,7 +58,9 @@ setup(
     package_data={
         "bitnest_mlx.metal_kernels": ["*.metal"],
         "bitnest_mlx.kernels.emulator": ["*.h"],  # the CPU emulator's C++ runtime
-        "bitnest_mlx": ["demo_model/*"],  # the trained demo package (examples/train_demo.py)
+        # the trained demo package (examples/train_demo.py) and the built-in workloads' prompts
+        "bitnest_mlx": ["demo_model/*", "workload_data/*.json"],
+        "bitnest_mlx.measurement": ["*.json"],  # DeepSeek-V4-Flash's config, priced by dsv4_price
     },
     install_requires=[
         mlx,

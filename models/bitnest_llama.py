@@ -70,12 +70,13 @@ class Attention(nn.Module):
         x = self.rope(x, offset=offset)
         return r3(x) if self.r3 else x
 
-    def _rotate_qk(
-        self, q: mx.array, k: mx.array, offset: int, o: RunOptions
-    ) -> tuple[mx.array, mx.array]:
-        """`_rotate` of q and k, their R3 in one call."""
-        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
-        return rotate_heads(q, k, o.use_kernels) if self.r3 else (q, k)
+    def _rotate_qk(self, qk: mx.array, offset: int, o: RunOptions) -> tuple[mx.array, mx.array]:
+        """`_rotate` of q's and k's heads, qk [B, Hq + Hkv, L, D], as one RoPE and one R3:
+        (q, k)."""
+        qk = self.rope(qk, offset=offset)
+        if self.r3:
+            return rotate_heads(qk, self.n_heads, o.use_kernels)
+        return qk[:, : self.n_heads], qk[:, self.n_heads :]
 
     def _k_offset(self, n: int, start: Any, dtype: mx.Dtype) -> mx.array:
         """Qwen2's k bias as it would sit in the cache's n slots, slot 0 at position `start`
@@ -111,14 +112,16 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, mask: Any, cache: NestedKVCache, o: RunOptions) -> mx.array:
         B, L, _ = x.shape
-        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), o)
-        q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        qkv = (self.q_proj, self.k_proj, self.v_proj)
         if self.k_bias_offset:
+            q, k, v = project(x, qkv, o)
             # Qwen2's k bias (up to ~145) would set every token's KV scale: cache K without it.
-            k = k - self.k_proj.bias
-        k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            qk = mx.concatenate([q, k - self.k_proj.bias], axis=-1)
+        else:
+            qk, v = project(x, qkv, o, groups=(2, 1))  # q and k side by side: one RoPE
+        qk = qk.reshape(B, L, self.n_heads + self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q, k = self._rotate_qk(q, k, cache.offset, o)
+        q, k = self._rotate_qk(qk, cache.offset, o)
         k_offset = None
         if self.k_bias_offset:  # cache.offset - cache.size(): the position of the cache's slot 0
             start = cache.offset - cache.size()

@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_counts(p)
     bench_modes.add_arguments(p)
+    bench_modes.add_dsv4_price(p)
     return p
 
 
@@ -397,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_modes.dispatches(args.model, args.json)
     if args.speed_model:
         return bench_modes.speed_model(args.model, args.acceptance, args.json)
+    if args.dsv4_price:
+        return bench_modes.dsv4_pricing(args.model, args.json)
 
     if args.workloads is not None:
         return bench_modes.workloads(args)

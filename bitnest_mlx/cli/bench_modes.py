@@ -1,6 +1,7 @@
 """bench's modes that replace the timing runs, as flags and printed results: `--kernels`
-(`measurement.kernel_costs`), `--speed-model` (`measurement.speed_projection`) and
-`--workloads` (`measurement.bench_workloads`). The work is measurement's; this is its face."""
+(`measurement.kernel_costs`), `--speed-model` (`measurement.speed_projection`),
+`--dsv4-price` (`measurement.dsv4_price`) and `--workloads` (`measurement.bench_workloads`).
+The work is measurement's; this is its face."""
 
 from __future__ import annotations
 
@@ -9,9 +10,16 @@ import json
 import sys
 from pathlib import Path
 
-from ..measurement import bench_workloads, dispatch_report, kernel_costs, speed_projection
+from ..formats.dsv4_config import BundleError
+from ..measurement import (
+    bench_workloads,
+    dispatch_report,
+    dsv4_price,
+    kernel_costs,
+    speed_projection,
+)
 from ..measurement.workloads import CONFIGS, WORKLOADS
-from ..runtime.demo import resolve_model
+from ..runtime.demo import DEMO, resolve_model
 from ..runtime.loader import LOAD_ERRORS, load
 from .args import non_negative_float, positive_int, refuse
 
@@ -92,6 +100,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_dsv4_price(p: argparse.ArgumentParser) -> None:
+    """`--dsv4-price`: DeepSeek-V4-Flash priced by step time (`measurement.dsv4_price`)."""
+    p.add_argument(
+        "--dsv4-price",
+        action="store_true",
+        help="instead of running: DeepSeek-V4-Flash's bytes a decode token (weights at its MLX "
+        "q3.4 bundle's bit plan, caches at 2k and 64k context) from its config.json (or "
+        "--model's: a bundle folder or a config.json), kernels and host syncs a token, and the "
+        "projected tok/s on M3 Max / M4 Max / M3 Ultra by step time beside ds4 and oMLX "
+        "(docs/deepseek-v4.md)",
+    )
+
+
 def kernels(as_json: bool = False) -> int:
     """`bench --kernels`."""
     missing = kernel_costs.missing_tools()
@@ -133,6 +154,20 @@ def speed_model(model: str, acceptance: list[tuple[int | str, float]] | None, as
     except (*LOAD_ERRORS, OSError, ValueError, KeyError) as e:
         return refuse(f"{model}: {e}")
     print(json.dumps(result, indent=2) if as_json else speed_projection.report(result))
+    return 0
+
+
+def dsv4_pricing(model: str, as_json: bool) -> int:
+    """`bench --dsv4-price`: the real Flash config, or --model's (a bundle folder or a file)."""
+    try:
+        if model == DEMO:
+            config, source = dsv4_price.flash_config(), dsv4_price.FLASH_CONFIG_FILE
+        else:
+            config, source = dsv4_price.read_config(model), str(model)
+        result = dsv4_price.price(config, source=source)
+    except (OSError, ValueError, KeyError, TypeError, BundleError) as e:
+        return refuse(f"{model}: {e}")
+    print(json.dumps(result, indent=2) if as_json else dsv4_price.report(result))
     return 0
 
 

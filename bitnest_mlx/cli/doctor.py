@@ -10,7 +10,9 @@ this machine? A short Markdown report to paste into an issue (`--json`: the same
 * the verify cost v(M) for M = 1, 2, 4, 8, 16 rows, timed on both paths, beside the speed
   model's table for this chip (`doctor_verify`);
 * the step costs t_k (a kernel) and t_sync (a host sync), timed on chains of tiny dependent
-  kernels, beside the step-time model's constants for this chip (`doctor_launch`).
+  kernels, beside the step-time model's constants for this chip (`doctor_launch`);
+* DeepSeek-V4-Flash's kernels and host syncs a decode token and its projected tok/s on those
+  measured step costs (`doctor_launch.dsv4_report`).
 
 Off Metal the kernels are reported unavailable and only the pure-MLX part runs (`--emulator`
 runs their self-tests in the CPU emulator instead, which needs g++). Under a minute on a Mac:
@@ -41,7 +43,7 @@ from .args import positive_int
 from .blas import INSTALL
 from .blas import status as openblas_status
 from .doctor_kernels import run_checks
-from .doctor_launch import launch_report
+from .doctor_launch import dsv4_markdown, dsv4_report, launch_report
 from .doctor_launch import markdown as launch_markdown
 from .doctor_verify import markdown as verify_markdown
 from .doctor_verify import verify_report
@@ -181,7 +183,9 @@ def collect(args: argparse.Namespace, runner: kernels.Runner | None = None) -> d
     # Off Metal a pass is compute-bound and slow: fewer replays say as much.
     repeats = args.repeats if sysinfo["metal"] else min(args.repeats, 3)
     report["verify_cost"] = verify_report(report["kernels"]["available"], sysinfo["chip"], repeats)
-    report["step_costs"] = launch_report(sysinfo["chip"] if sysinfo["metal"] else None, repeats)
+    chip = sysinfo["chip"] if sysinfo["metal"] else None
+    report["step_costs"] = launch_report(chip, repeats)
+    report["dsv4_projection"] = dsv4_report(report["step_costs"], chip)
     report["seconds"] = time.perf_counter() - tic
     return report
 
@@ -254,6 +258,7 @@ def markdown(r: dict) -> str:
         "",
         *verify_markdown(r["verify_cost"]),
         *launch_markdown(r["step_costs"]),
+        *dsv4_markdown(r["dsv4_projection"]),
         f"took {r['seconds']:.1f} s",
     ]
     return "\n".join(lines)

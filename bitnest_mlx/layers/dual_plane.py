@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -110,14 +111,34 @@ def planes_matmul(x: mx.array, planes, group_size: int, draft: bool) -> mx.array
     """x·W4ᵀ or x·W8ᵀ by MLX's quantized matmul on `planes` (hi, lo, scales, biases: a
     Linear's or a stack's): two calls sharing scales and biases for W8, so that s/16 is never
     materialised in fp16 (subnormal risk)."""
+    y_hi, y_lo = plane_products(x, planes, group_size, draft)
+    return y_hi if y_lo is None else nested(y_hi, y_lo)
+
+
+def plane_products(
+    x: mx.array, planes, group_size: int, draft: bool
+) -> tuple[mx.array, mx.array | None]:
+    """(x·hiᵀ, x·loᵀ) as `planes_matmul` computes them before nesting (lo None: the draft)."""
 
     def qmm(plane: mx.array) -> mx.array:
         return mx.quantized_matmul(
             x, plane, planes.scales, planes.biases, transpose=True, group_size=group_size, bits=4
         )
 
-    y = qmm(planes.hi)
-    return y if draft else nested(y, qmm(planes.lo))
+    return qmm(planes.hi), None if draft else qmm(planes.lo)
+
+
+# SiLU(gate)·up after the matmuls as one kernel (nn.silu and the product would be two), and on the
+# pure target path with W8 = hi + lo/16 of both outputs inside it too: the same ops in the same
+# dtypes, so the same bits.
+@partial(mx.compile, shapeless=True)
+def _silu_mul(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
+
+
+@partial(mx.compile, shapeless=True)
+def _silu_mul_nested(gate_hi, up_hi, gate_lo, up_lo) -> mx.array:
+    return nn.silu(nested(gate_hi, gate_lo)) * nested(up_hi, up_lo)
 
 
 def keep_dense(model: nn.Module) -> int:
@@ -141,11 +162,16 @@ def project(
     linears: Sequence[DualPlaneLinear],
     options: RunOptions | None = None,
     a8_group: int = -1,
+    groups: Sequence[int] | None = None,
 ) -> list[mx.array]:
     """x through Linears that all read it (q/k/v): A8 applied once and one kernel-or-pure
     decision. On the kernel path x is quantized to A8 codes once per call (per token, not per
-    row) and the Linears' planes, stacked along N (`plane_stack`), are one launch."""
-    return _through(x, linears, options, a8_group, gate_up=False)
+    row) and the Linears' planes, stacked along N (`plane_stack`), are one launch.
+
+    `groups`: how many consecutive Linears each returned array holds, their outputs side by side
+    along the last axis (q and k as one array for one RoPE launch); None: one each. Stacked
+    outputs come back as slices of the one result, so a group costs no copy."""
+    return _through(x, linears, options, a8_group, gate_up=False, groups=groups)
 
 
 def swiglu(
@@ -165,8 +191,10 @@ def _through(
     options: RunOptions | None,
     a8_group: int,
     gate_up: bool,
+    groups: Sequence[int] | None = None,
 ) -> list[mx.array]:
-    """The Linears' outputs (gate_up: [silu(gate)·up]) by the kernel or the pure path."""
+    """The Linears' outputs (gate_up: [silu(gate)·up]; `groups` as `project` takes them) by
+    the kernel or the pure path."""
     o = options or _DEFAULT
     group = a8_group if o.quantize_activations else None
     if not (
@@ -177,37 +205,62 @@ def _through(
         x_in = x if group is None else a8(x, group)
         if not _pure_stackable(x_in, linears, o.dense_min_rows):
             ys = [lin._pure(x_in, o.draft, o.dense_min_rows) for lin in linears]
-            return _finish(linears, ys, "pure", gate_up)
+            return _finish(linears, ys, "pure", gate_up, groups)
         # One quantized matmul per plane for the group: each output row is computed as the
         # Linear's own call computes it, so the values are the same.
-        y = planes_matmul(x_in, plane_stack.stacked_planes(linears), linears[0].group_size, o.draft)
-        return _finish(linears, _split_rows(y, linears), "pure", gate_up)
+        stack = plane_stack.stacked_planes(linears)
+        y_hi, y_lo = plane_products(x_in, stack, linears[0].group_size, o.draft)
+        if gate_up and _epilogue_fusable(linears):
+            _record(linears, "pure")
+            if y_lo is None:
+                return [_silu_mul(*_split_rows(y_hi, linears))]
+            return [_silu_mul_nested(*_split_rows(y_hi, linears), *_split_rows(y_lo, linears))]
+        y = y_hi if y_lo is None else nested(y_hi, y_lo)
+        return _finish(linears, y, "pure", gate_up, groups)
     # A8 inside the launch where the kernel can reduce the group's scale, else quantized first.
     fusable = group is not None and kernels.a8_fusable(group, x.shape[-1])
     x_in = x if fusable or group is None else a8(x, group)
     a8_group = group if fusable else None
     if not plane_stack.stackable(linears):
         ys = [lin._kernel(x_in, a8_group, o.draft) for lin in linears]
-        return _finish(linears, ys, "kernel", gate_up)
+        return _finish(linears, ys, "kernel", gate_up, groups)
     s = plane_stack.stacked_planes(linears)
-    # SiLU·up in the epilogue needs gate and up of one width and no bias between dot and SiLU.
-    fused = gate_up and linears[0].hi.shape == linears[1].hi.shape
-    fused = fused and not any("bias" in lin for lin in linears)
+    fused = gate_up and _epilogue_fusable(linears)
     y = kernels.dual_plane_matmul(
         x_in, s.hi, s.lo, s.scales, draft=o.draft, a8_group=a8_group, gate_up=fused
     )
     if fused:
-        for _ in linears:
-            kernels.record("dual_plane", "kernel")
+        _record(linears, "kernel")
         return [y]
-    return _finish(linears, _split_rows(y, linears), "kernel", gate_up)
+    return _finish(linears, y, "kernel", gate_up, groups)
 
 
-def _split_rows(y: mx.array, linears: Sequence[DualPlaneLinear]) -> list[mx.array]:
-    """A stacked launch's output [..., ΣN] -> each Linear's [..., N]."""
+def _epilogue_fusable(linears: Sequence[DualPlaneLinear]) -> bool:
+    """SiLU·up right after the matmul needs gate and up of one width and no bias between the
+    dot and the SiLU."""
+    return linears[0].hi.shape == linears[1].hi.shape and not any("bias" in lin for lin in linears)
+
+
+def _record(linears: Sequence[DualPlaneLinear], path: str) -> None:
+    for _ in linears:
+        kernels.record("dual_plane", path)
+
+
+def _split_rows(
+    y: mx.array, linears: Sequence[DualPlaneLinear], groups: Sequence[int] | None = None
+) -> list[mx.array]:
+    """A stacked launch's output [..., ΣN] -> each Linear's [..., N] (or each group's: their
+    outputs side by side)."""
     rows = [lin.hi.shape[0] for lin in linears]
-    edges = [sum(rows[: i + 1]) for i in range(len(rows) - 1)]
-    return mx.split(y, edges, axis=-1)
+    ends = _group_ends(len(linears), groups)
+    return mx.split(y, [sum(rows[:e]) for e in ends[:-1]], axis=-1)
+
+
+def _group_ends(n: int, groups: Sequence[int] | None) -> list[int]:
+    """The index after each group's last Linear (one group per Linear for None)."""
+    sizes = groups or [1] * n
+    assert sum(sizes) == n, f"groups {list(sizes)} do not add up to {n} Linears"
+    return [sum(sizes[: i + 1]) for i in range(len(sizes))]
 
 
 def _pure_stackable(x: mx.array, linears: Sequence[DualPlaneLinear], dense_min_rows: int) -> bool:
@@ -223,13 +276,27 @@ def _pure_stackable(x: mx.array, linears: Sequence[DualPlaneLinear], dense_min_r
 
 
 def _finish(
-    linears: Sequence[DualPlaneLinear], ys: Sequence[mx.array], path: str, gate_up: bool
+    linears: Sequence[DualPlaneLinear],
+    y: mx.array | Sequence[mx.array],
+    path: str,
+    gate_up: bool,
+    groups: Sequence[int] | None = None,
 ) -> list[mx.array]:
-    """Each Linear's bias added to its own output (after the kernel), then silu(gate)·up."""
-    for _ in linears:
-        kernels.record("dual_plane", path)
+    """Each Linear's bias added to its own output (after the kernel), then silu(gate)·up or
+    the outputs joined in `groups`. `y`: the stacked output [..., ΣN] or one per Linear."""
+    _record(linears, path)
+    biased = any("bias" in lin for lin in linears)
+    if isinstance(y, mx.array) and not (biased or gate_up):
+        return _split_rows(y, linears, groups)
+    ys = _split_rows(y, linears) if isinstance(y, mx.array) else list(y)
     ys = [lin._biased(y) for lin, y in zip(linears, ys)]
-    return [nn.silu(ys[0]) * ys[1]] if gate_up else ys
+    if gate_up:
+        return [_silu_mul(ys[0], ys[1])]
+    starts = [0, *_group_ends(len(linears), groups)]
+    return [
+        ys[a] if b - a == 1 else mx.concatenate(ys[a:b], axis=-1)
+        for a, b in zip(starts, starts[1:])
+    ]
 
 
 def matmul_self_test(

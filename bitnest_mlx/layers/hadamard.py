@@ -44,9 +44,10 @@ def r3(x: mx.array) -> mx.array:
     return mx.hadamard_transform(x.astype(mx.float32)).astype(x.dtype)
 
 
-def rotate_heads(q: mx.array, k: mx.array, use_kernels: bool = True) -> tuple[mx.array, mx.array]:
-    """R3 of q and k: one launch for both where the kernel serves (a Mac, its self-test
-    passed), else `r3` of each."""
+def rotate_heads(qk: mx.array, n_q: int, use_kernels: bool = True) -> tuple[mx.array, mx.array]:
+    """R3 of q and k from their heads side by side, qk [B, n_q + Hkv, L, D]: (q, k). One
+    launch for both where the kernel serves (a Mac, its self-test passed), else `r3` of qk."""
+    q, k = qk[:, :n_q], qk[:, n_q:]
     if (
         use_kernels
         and kernels.head_hadamard_supported(q, k)
@@ -55,7 +56,8 @@ def rotate_heads(q: mx.array, k: mx.array, use_kernels: bool = True) -> tuple[mx
         kernels.record("head_hadamard", "kernel")
         return kernels.head_hadamard(q, k)
     kernels.record("head_hadamard", "pure")
-    return r3(q), r3(k)
+    qk = r3(qk)
+    return qk[:, :n_q], qk[:, n_q:]
 
 
 def head_hadamard_self_test(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import cache, partial
+from functools import cache
 from typing import Any
 
 import mlx.core as mx
@@ -17,43 +17,75 @@ def nest_quantize(x: mx.array, group: int) -> tuple[mx.array, mx.array, mx.array
     """x [..., D] -> (hi, lo) uint32 [..., D/8] and scales float32 [..., D/group].
 
     s = max|x|/7 (1 if 0), q4 = clip(round(x/s), -8, 7), qr = clip(round((x - q4 s)/(s/16)), -8, 7),
-    stored as u = q + 8; fp32 math, round half to even. Launched as max|x| (two kernels), one
-    compiled elementwise kernel for both planes' codes, each already shifted to its place in
-    its 4-bit word, and one sum per plane that packs them (the shifted codes have no bit in
-    common, so the sum is their OR).
+    stored as u = q + 8; fp32 math, round half to even. Launched as max|x| (two kernels) and two
+    compiled elementwise kernels, one a plane (the scale comes out of the hi plane's). Each reads
+    a group's even and odd columns side by side and writes its plane's bytes, column 2j in the
+    low nibble of byte j and 2j + 1 in the high one: MLX's 4-bit word, read as uint32.
     """
     xg = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
     amax = mx.abs(xg).max(axis=-1, keepdims=True)
-    hi, lo, s = _nest_codes(xg, amax, _shifts(group))
-    words = (*x.shape[:-1], x.shape[-1] // 8, 8)
-    return hi.reshape(words).sum(axis=-1), lo.reshape(words).sum(axis=-1), s.squeeze(-1)
+    even, odd = xg[..., 0::2], xg[..., 1::2]
+    hi, s = _hi_bytes(even, odd, amax)
+    words = (*x.shape[:-1], x.shape[-1] // 2)
+    lo = _lo_bytes(even, odd, amax).reshape(words).view(mx.uint32)
+    return hi.reshape(words).view(mx.uint32), lo, s[..., 0]
 
 
-@cache
-def _shifts(group: int) -> mx.array:
-    """Per column of a group: the bit offset of its nibble in MLX's 4-bit word (8 per uint32)."""
-    return mx.array([4 * (c % 8) for c in range(group)], dtype=mx.uint32)
-
-
-@partial(mx.compile, shapeless=True)
-def _nest_codes(xg: mx.array, amax: mx.array, shifts: mx.array) -> tuple[mx.array, ...]:
-    xg = xg.astype(mx.float32)
+# Why the code is written as it is: MLX fuses a compiled function into one kernel only along
+# chains under 11 ops deep from its last output, through intermediates no other output reads, and
+# a shapeless compile splits at the broadcast of the group's scale. So each plane is its own
+# (per-shape) compile with one output chain, and bytes are formed in float32 (u_even + 16 u_odd,
+# exact integers) and cast once. Two clamps are dropped because they never bind on finite input:
+# |x| <= 7 s (s = max|x|/7 rounded) gives |q4| <= 7, and |x - q4 s| <= s/2 (plus rounding, far
+# below s/32) gives qr >= -8; qr <= 7 can bind (a residual of s/2 rounds to 8) and is kept.
+def _scale(amax: mx.array, shape: tuple[int, ...]) -> mx.array:
     s = amax.astype(mx.float32) / 7.0
-    s = mx.where(s == 0, 1.0, s)
-    q4 = mx.clip(mx.round(xg / s), -8, 7)
-    qr = mx.clip(mx.round((xg - q4 * s) / (s / 16)), -8, 7)
-    hi = (q4 + 8).astype(mx.uint32) << shifts
-    lo = (qr + 8).astype(mx.uint32) << shifts
-    return hi, lo, s
+    # Half-precision amax is 0 exactly when amax/7 is (its smallest step, /7, is a normal
+    # float32): testing amax saves a level of the chain.
+    zero = (amax if amax.dtype != mx.float32 else s) == 0
+    return mx.broadcast_to(mx.where(zero, 1.0, s), shape)
+
+
+@mx.compile
+def _hi_bytes(even: mx.array, odd: mx.array, amax: mx.array) -> tuple[mx.array, mx.array]:
+    s = _scale(amax, even.shape)
+    q4e, q4o = (mx.round(c.astype(mx.float32) / s) for c in (even, odd))
+    return ((q4e + 136) + 16 * q4o).astype(mx.uint8), s
+
+
+@mx.compile
+def _lo_bytes(even: mx.array, odd: mx.array, amax: mx.array) -> mx.array:
+    s = _scale(amax, even.shape)
+
+    def qr(c: mx.array) -> mx.array:
+        c = c.astype(mx.float32)
+        return mx.minimum(mx.round((c - mx.round(c / s) * s) / (s / 16)), 7)
+
+    return ((qr(even) + 136) + 16 * qr(odd)).astype(mx.uint8)
 
 
 def nest_dequantize(
-    hi: mx.array, lo: mx.array, scales: mx.array, group: int, draft: bool
+    hi: mx.array,
+    lo: mx.array,
+    scales: mx.array,
+    group: int,
+    draft: bool,
+    dtype: mx.Dtype = mx.float32,
 ) -> mx.array:
-    """KV4 = q4·s (draft) or KV8 = (16 q4 + qr)·s/16 (target), float32."""
+    """KV4 = q4·s (draft) or KV8 = (16 q4 + qr)·s/16 (target), computed in float32 and
+    returned in `dtype`. The planes share one bias array; KV8's sum and cast are one kernel."""
     kw = dict(group_size=group, bits=4)
-    x = mx.dequantize(hi, scales, -8 * scales, **kw)
-    return x if draft else nested(x, mx.dequantize(lo, scales, -8 * scales, **kw))
+    biases = -8 * scales
+    x = mx.dequantize(hi, scales, biases, **kw)
+    if draft:
+        return x.astype(dtype)
+    return _nested_in(dtype)(x, mx.dequantize(lo, scales, biases, **kw))
+
+
+@cache
+def _nested_in(dtype: mx.Dtype):
+    """KV8 from its planes' float32 values, cast to `dtype`: one compiled kernel."""
+    return mx.compile(lambda hi, lo: nested(hi, lo).astype(dtype), shapeless=True)
 
 
 class NestedKVCache(_BaseCache):
@@ -96,7 +128,7 @@ class NestedKVCache(_BaseCache):
     def _decode(self, parts: tuple[mx.array, ...], draft: bool, dtype: mx.Dtype) -> mx.array:
         if not self.quantized:
             return parts[0]
-        return nest_dequantize(*parts, self.group_size, draft).astype(dtype)
+        return nest_dequantize(*parts, self.group_size, draft, dtype)
 
     def attend(
         self,

@@ -95,7 +95,7 @@ def bitnest_parts() -> list[tuple]:
 
     return [
         (dual_plane, "a8", "a8"),
-        (dual_plane, "_finish", lambda lins, ys, path, gate_up: "mlp" if gate_up else "projection"),
+        (dual_plane, "_finish", lambda lins, y, path, up, *_: "mlp" if up else "projection"),
         (dual_plane, "_through", "projection"),
         (attention, "_rotate", "rope"),
         (attention, "_rotate_qk", "rope"),
@@ -148,8 +148,9 @@ def measure(model: nn.Module, run: Run, *, kernel: bool, parts: list) -> tuple[C
     not counted, does the once-per-model work (the kernel path's plane stacks)."""
     options = replace(model.options, use_kernels=kernel) if hasattr(model, "options") else None
     with mock.patch.object(kernels, "use", lambda name, test: kernel):
+        cache = _prefilled(model, options)
         with dg.gpu_basis(parts=parts) as warm:
-            mx.eval(run(model, _prefilled(model, options), options, warm))
+            mx.eval(run(model, cache, options, warm))
         cache = _prefilled(model, options)
         with dg.gpu_basis(parts=parts) as ledger:
             pending = run(model, cache, options, ledger)

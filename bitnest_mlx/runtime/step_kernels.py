@@ -53,21 +53,21 @@ class PathKernels:
 
 # Counted by `python -m bitnest_mlx.bench --dispatches` (float16, the GPU basis, per layer = the
 # model at 2 layers minus at 1) on the demo's structure (Llama, R3 and R4, no biases, the full
-# draft vocabulary), 2026-12-07 at commit a76a5a7: the kernel path 19 a layer for a draft
-# step, 21 for a target step or a 2-row pass, 25 from 3 rows (each projection's input quantized
-# by its own launch); the pure path 68 (draft) and 92 (target and verify); one host sync a round
-# (its acceptance read). tests/test_dispatches.py checks this table against the counter: a cut
-# to the kernels updates it.
+# draft vocabulary), 2026-12-07: the kernel path 18 a layer for a draft step, 20 for a target
+# step or a 2-row pass, 24 from 3 rows (each projection's input quantized by its own launch);
+# the pure path 43 (draft) and 56 (target and verify); one host sync a round (its acceptance
+# read). tests/test_dispatches.py checks this table against the counter: a cut to the kernels
+# updates it.
 STORED = {
     "kernel": PathKernels(
-        draft=PassKernels(19, 15),
-        target=PassKernels(21, 15),
-        verify=((2, PassKernels(21, 15)), (4, PassKernels(25, 16)), (8, PassKernels(25, 16))),
+        draft=PassKernels(18, 15),
+        target=PassKernels(20, 15),
+        verify=((2, PassKernels(20, 15)), (4, PassKernels(24, 16)), (8, PassKernels(24, 16))),
     ),
     "pure": PathKernels(
-        draft=PassKernels(68, 21),
-        target=PassKernels(92, 23),
-        verify=((2, PassKernels(92, 23)), (4, PassKernels(92, 23)), (8, PassKernels(92, 23))),
+        draft=PassKernels(43, 18),
+        target=PassKernels(56, 20),
+        verify=((2, PassKernels(56, 20)), (4, PassKernels(56, 20)), (8, PassKernels(56, 20))),
     ),
 }
 # A DeepSeek-V4 bundle's target step, counted the same way on the demo bundle (per layer = 6

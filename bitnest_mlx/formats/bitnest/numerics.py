@@ -55,28 +55,34 @@ def _a8_groups(x, group: int):
     return xf, np.where(amax == 0, 1.0, amax / 127.0)
 
 
-# MLX: the same rule as a reduction and one compiled elementwise kernel after it (a GPU launches
-# each op of a graph as a kernel). |x| and its max are exact in x's dtype, and every other step
-# runs in float32 in the order the numpy rule does, so the results are the same bits.
+# MLX: the same rule as a reduction (|x|, its max: two kernels) and one compiled elementwise kernel
+# after it (a GPU launches each op of a graph as a kernel). |x| and its max are exact in x's
+# dtype, and every other step runs in float32 in the order the numpy rule does, so the results
+# are the same bits. The compiles are per shape: a shapeless one splits at the broadcast of the
+# per-row scale, three kernels more a call.
 def _mx_amax(xg: mx.array) -> mx.array:
     return mx.abs(xg).max(axis=-1, keepdims=True)
 
 
-@partial(mx.compile, shapeless=True)
-def _mx_scale(amax: mx.array) -> mx.array:
+def _scale_of(amax: mx.array) -> mx.array:
     amax = amax.astype(mx.float32)
     return mx.where(amax == 0, 1.0, amax / 127.0)
 
 
-@partial(mx.compile, shapeless=True)
-def _mx_codes(xg: mx.array, amax: mx.array) -> tuple[mx.array, mx.array]:
-    scale = _mx_scale(amax)
+_mx_scale = mx.compile(_scale_of)
+
+
+def _codes_of(xg: mx.array, amax: mx.array) -> tuple[mx.array, mx.array]:
+    scale = _scale_of(amax)
     return mx.clip(mx.round(xg.astype(mx.float32) / scale), -128, 127), scale
 
 
-@partial(mx.compile, shapeless=True)
+_mx_codes = mx.compile(_codes_of)
+
+
+@mx.compile
 def _mx_fake_quant(xg: mx.array, amax: mx.array) -> mx.array:
-    q, scale = _mx_codes(xg, amax)
+    q, scale = _codes_of(xg, amax)
     return (q * scale).astype(xg.dtype)
 
 
