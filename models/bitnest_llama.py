@@ -225,7 +225,11 @@ class Model(nn.Module):
         if cache is None:
             cache = self.make_cache(o)
         mask = create_attention_mask(h, cache[0])
-        for layer, c in zip(self.layers, cache):
+        skip = o.draft_skip if o.draft else ()
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            if i in skip:
+                c.skip(h.shape[1])
+                continue
             h = layer(h, mask, c, o)
         h = mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps)
         if o.draft and o.draft_vocab and self.draft_head is not None:

@@ -251,6 +251,12 @@ class NestedKVCache(_BaseCache):
     def is_trimmable(self) -> bool:
         return True
 
+    def skip(self, n: int) -> None:
+        """Advance past `n` positions that a draft call of a layer it skips does not compute:
+        nothing is written; the round's verify pass, after the trim that undoes this like any
+        write, writes them."""
+        self.offset += n
+
     def trim(self, n: int) -> int:
         n = min(self.offset, n)
         self.offset -= n

@@ -35,6 +35,9 @@ class RunOptions:
     that the reduced draft vocabulary also scores. It lives in the options because they are
     what one generation passes down its calls; it holds that generation's state (it grows as the
     text does), so only the generation that made it refers to it and the model keeps no switch.
+    draft_skip: the layers a draft call skips (their residual passes through unchanged): a
+    shallower, cheaper draft. Their caches advance without a write; the verify pass, which runs
+    every layer, writes those positions, so the target's output does not depend on it.
     qat: DeepSeek-V4's QAT simulation (FP8 KV, Hadamard + FP4 indexer scores), as the reference
     model runs when trained; bitnest models have no such pass and ignore it. Both families take
     the same options so that a face or the loader never asks which family it holds.
@@ -52,6 +55,7 @@ class RunOptions:
     draft_vocab: bool = True
     draft_join: Any = None  # DraftVocabJoin; typed loosely: that module imports this one
     qat: bool = False
+    draft_skip: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -57,7 +57,6 @@ VIEWS = frozenset(
 )
 
 
-
 def launches(outputs: Sequence[mx.array]) -> Counter:
     """Kernels a Mac launches to evaluate `outputs`, by primitive name: one per distinct
     (primitive, inputs) of the graph that is not a view. A compiled function's calls share one
