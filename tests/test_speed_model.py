@@ -93,6 +93,20 @@ def test_fixed_cost_controller_copies_when_copies_are_accepted():
     assert Plan((1, 2), 3).draft_calls == (3, 1, 1)  # y and the copy in one call, then steps
 
 
+def test_a_match_length_never_seen_starts_from_the_run_s_copies_so_far():
+    """Copies that keep failing at some match lengths make a new one start low: the controller
+    drafts the chain rather than paying for a copy it has no reason to trust."""
+    fresh = DraftController(3, "auto", cost=CostModel(0.5, "M4 Max", "pure"))
+    failing = DraftController(3, "auto", cost=CostModel(0.5, "M4 Max", "pure"))
+    copy = [5, 6, 7, 8, 9, 10]
+    for match in (2, 3) * 15:
+        plan = Plan(tuple(copy), 0, match)
+        failing.update(plan, 0, 0.0, 0.0)  # every copied token rejected
+    assert fresh.choose(copy, match=5).ngram  # no history: a 5-token match is worth copying
+    assert failing._copies(5).alpha < 0.1
+    assert not failing.choose(copy, match=5).ngram
+
+
 @pytest.mark.parametrize("name", WORKLOADS)
 def test_every_workload_prompt_is_a_chat_ending_with_the_users_turn(name):
     prompts = load_workload(name)

@@ -52,6 +52,9 @@ class Plan:
         return Round(self.source, self.gamma, accepted, self.draft_calls)
 
 
+COPY_PRIOR = 0.5  # a copy's acceptance before any evidence
+
+
 class Acceptance:
     """A decayed estimate of P(accept) of one source's drafts (prior `prior`, weight 5)."""
 
@@ -91,8 +94,11 @@ class DraftController:
         self.max_gamma = max_gamma if source in ("auto", "model") else 0
         self.ngram = source in ("auto", "ngram")
         self.fallback, self.reprobe, self.cost = fallback, reprobe, cost
-        # Copies are estimated per match length: a 4-token match predicts better than a 2-token one.
-        self.acceptance = {"model": Acceptance(0.8)}
+        # Copies are estimated per match length (a 4-token match predicts better than a 2-token
+        # one). A length first seen starts at COPY_PRIOR, or lower when this run's copies so far
+        # ("ngram", every length) scored lower: on text that copies badly, failed copies stop
+        # costing rounds at each new length; success elsewhere does not vouch for a new length.
+        self.acceptance = {"model": Acceptance(0.8), "ngram": Acceptance(COPY_PRIOR)}
         self.t_draft: float | None = None  # seconds per 1-row draft call (measured costs)
         self.t_verify: dict[int, float] = {}  # rows -> seconds (measured costs)
         self.since_spec = 0
@@ -172,8 +178,12 @@ class DraftController:
         return best
 
     def _copies(self, match: int) -> Acceptance:
-        """The acceptance of copies behind a match of `match` tokens."""
-        return self.acceptance.setdefault(f"ngram{match}", Acceptance(0.5))
+        """The acceptance of copies behind a match of `match` tokens (first seen: COPY_PRIOR or
+        the pooled copies' estimate, whichever is lower, as its prior)."""
+        key = f"ngram{match}"
+        if key not in self.acceptance:
+            self.acceptance[key] = Acceptance(min(COPY_PRIOR, self.acceptance["ngram"].alpha))
+        return self.acceptance[key]
 
     def update(self, plan: Plan, accepted: int, draft_s: float, verify_s: float) -> None:
         """Fold in a round: `accepted` of its drafts, its measured draft and verify seconds."""
@@ -181,6 +191,7 @@ class DraftController:
         if plan.ngram:
             # An n-gram prefix is tested first: its acceptances, then the model's after it.
             self._copies(plan.match).update(len(plan.ngram), copied)
+            self.acceptance["ngram"].update(len(plan.ngram), copied)
         if plan.steps and accepted >= len(plan.ngram):
             self.acceptance["model"].update(plan.steps, accepted - len(plan.ngram))
         self.since_spec = self.since_spec + 1 if plan.gamma == 0 else 0
