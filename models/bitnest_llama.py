@@ -110,7 +110,10 @@ class Attention(nn.Module):
             self._k_offset_table = (key, have)
         return have
 
-    def __call__(self, x: mx.array, mask: Any, cache: NestedKVCache, o: RunOptions) -> mx.array:
+    def __call__(
+        self, x: mx.array, mask: Any, cache: NestedKVCache, o: RunOptions, residual: mx.array
+    ) -> mx.array:
+        """residual + attention(x): the residual joins o_proj's output."""
         B, L, _ = x.shape
         qkv = (self.q_proj, self.k_proj, self.v_proj)
         if self.k_bias_offset:
@@ -137,7 +140,7 @@ class Attention(nn.Module):
             use_kernels=o.use_kernels,
         )
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(out, o, a8_group=self.o_proj_group)
+        return self.o_proj(out, o, a8_group=self.o_proj_group, residual=residual)
 
 
 class MLP(nn.Module):
@@ -150,11 +153,12 @@ class MLP(nn.Module):
         r4 = args.r4[layer] if args.r4 else None
         self.r4 = OnlineHadamard(n, r4["K"], r4.get("fp32", False)) if r4 else None
 
-    def __call__(self, x: mx.array, o: RunOptions) -> mx.array:
+    def __call__(self, x: mx.array, o: RunOptions, residual: mx.array) -> mx.array:
+        """residual + MLP(x): the residual joins down_proj's output."""
         a = swiglu(x, self.gate_proj, self.up_proj, o)  # silu(x·gateᵀ) · (x·upᵀ)
         if self.r4 is not None:
             a = self.r4(a)
-        return self.down_proj(a, o)
+        return self.down_proj(a, o, residual=residual)
 
 
 class TransformerBlock(nn.Module):
@@ -171,8 +175,8 @@ class TransformerBlock(nn.Module):
 
     def __call__(self, h: mx.array, mask: Any, cache: NestedKVCache, o: RunOptions) -> mx.array:
         x = mx.fast.rms_norm(h, self.input_layernorm, self.eps)
-        h = h + self.self_attn(x, mask, cache, o)
-        return h + self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps), o)
+        h = self.self_attn(x, mask, cache, o, residual=h)
+        return self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps), o, h)
 
 
 class Model(nn.Module):

@@ -3,7 +3,6 @@ the draft sees, never what speculative decoding emits; `auto` follows the bytes-
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from unittest import mock
 
 import mlx.core as mx
@@ -13,9 +12,9 @@ import pytest
 from factory import tiny_package
 from mlx_lm.generate import generate_step
 from numpy_reference import Reference, Trace
+from test_model_parity import recording  # the runtime's quantizer inputs, for the reference
 
 from bitnest_mlx.cli import generate
-from bitnest_mlx.layers import dual_plane, nested_kv
 from bitnest_mlx.layers.options import RunOptions
 from bitnest_mlx.measurement.roofline import roofline
 from bitnest_mlx.runtime import rounds
@@ -40,30 +39,6 @@ def package(tmp_path_factory):
 
 def logits(model, options: RunOptions, tokens=TOKENS) -> np.ndarray:
     return np.array(model(mx.array([tokens]), options=options)[0]).astype(np.float64)
-
-
-@contextmanager
-def recording(trace: Trace):
-    """Record the runtime's quantizer inputs so that the reference resolves near-ties as the
-    runtime did (numpy_reference: Ties)."""
-    a8, nest_quantize = dual_plane.a8, nested_kv.nest_quantize
-    last: list[mx.array] = []
-
-    def a8_spy(x, group=-1):
-        if not last or last[0] is not x:  # q/k/v (and gate/up) quantize one input: one site
-            trace.a8.append(np.array(x[0]))
-        last[:] = [x]
-        return a8(x, group)
-
-    def kv_spy(x, group):
-        trace.kv.append(np.array(x[0]).transpose(1, 0, 2))
-        return nest_quantize(x, group)
-
-    with (
-        mock.patch.object(dual_plane, "a8", a8_spy),
-        mock.patch.object(nested_kv, "nest_quantize", kv_spy),
-    ):
-        yield
 
 
 class KV8Sites(numpy_reference._Sites):

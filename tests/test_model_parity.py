@@ -94,7 +94,9 @@ def recording(trace: Trace | None) -> Iterator[None]:
         return a8(x, group)
 
     def kv_spy(x: mx.array, group: int):
-        trace.kv.append(np.array(x[0]).transpose(1, 0, 2))  # [1, H, T, hd] -> [T, H, hd]
+        # K and V side by side along the head dim (NestedKVCache._encode_both): two sites.
+        for site in mx.split(x, 2, axis=-1):
+            trace.kv.append(np.array(site[0]).transpose(1, 0, 2))  # [1, H, T, hd] -> [T, H, hd]
         return nest_quantize(x, group)
 
     with (

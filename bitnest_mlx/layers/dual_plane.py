@@ -50,11 +50,17 @@ class DualPlaneLinear(nn.Module):
             self.bias = mx.zeros((out_features,))
 
     def __call__(
-        self, x: mx.array, options: RunOptions | None = None, a8_group: int = -1
+        self,
+        x: mx.array,
+        options: RunOptions | None = None,
+        a8_group: int = -1,
+        residual: mx.array | None = None,
     ) -> mx.array:
-        """x [..., K] -> [..., N]. With A8 on (options.quantize_activations), x is quantized per
-        token (a8_group = -1) or per `a8_group` columns first."""
-        return project(x, (self,), options, a8_group)[0]
+        """x [..., K] -> [..., N] (+ `residual` [..., N]). With A8 on
+        (options.quantize_activations), x is quantized per token (a8_group = -1) or per
+        `a8_group` columns first. The residual is added in the pure target path's epilogue (one
+        kernel with W8 = hi + lo/16), else after."""
+        return project(x, (self,), options, a8_group, residual=residual)[0]
 
     def _kernel(self, x: mx.array, a8_group: int | None, draft: bool) -> mx.array:
         return kernels.dual_plane_matmul(
@@ -141,6 +147,11 @@ def _silu_mul_nested(gate_hi, up_hi, gate_lo, up_lo) -> mx.array:
     return nn.silu(nested(gate_hi, gate_lo)) * nested(up_hi, up_lo)
 
 
+@partial(mx.compile, shapeless=True)
+def _nested_plus(y_hi: mx.array, y_lo: mx.array, residual: mx.array) -> mx.array:
+    return residual + nested(y_hi, y_lo)
+
+
 def keep_dense(model: nn.Module) -> int:
     """Keep every DualPlaneLinear's W4 and W8 as dense float32 matrices (8 bytes per weight)
     for the pure path to multiply: on a CPU a matmul of M rows then costs one read of floats
@@ -163,6 +174,7 @@ def project(
     options: RunOptions | None = None,
     a8_group: int = -1,
     groups: Sequence[int] | None = None,
+    residual: mx.array | None = None,
 ) -> list[mx.array]:
     """x through Linears that all read it (q/k/v): A8 applied once and one kernel-or-pure
     decision. On the kernel path x is quantized to A8 codes once per call (per token, not per
@@ -170,8 +182,19 @@ def project(
 
     `groups`: how many consecutive Linears each returned array holds, their outputs side by side
     along the last axis (q and k as one array for one RoPE launch); None: one each. Stacked
-    outputs come back as slices of the one result, so a group costs no copy."""
-    return _through(x, linears, options, a8_group, gate_up=False, groups=groups)
+    outputs come back as slices of the one result, so a group costs no copy. `residual`: added
+    to the one Linear's output (see `DualPlaneLinear.__call__`)."""
+    if residual is None:
+        return _through(x, linears, options, a8_group, gate_up=False, groups=groups)
+    assert len(linears) == 1, "a residual is added to one Linear's output"
+    o = options or _DEFAULT
+    (lin,) = linears
+    fusable = not (o.draft or o.dense_min_rows or "bias" in lin or hasattr(lin, "kept_dense"))
+    if fusable and not _kernel_path(x, linears, o):
+        x_in = a8(x, a8_group) if o.quantize_activations else x
+        _record(linears, "pure")
+        return [_nested_plus(*plane_products(x_in, lin, lin.group_size, False), residual)]
+    return [residual + _through(x, linears, options, a8_group, gate_up=False)[0]]
 
 
 def swiglu(
@@ -197,11 +220,7 @@ def _through(
     the kernel or the pure path."""
     o = options or _DEFAULT
     group = a8_group if o.quantize_activations else None
-    if not (
-        o.use_kernels
-        and kernels.use("dual_plane", kernel_self_test)
-        and kernels.dual_plane_supported(x, linears[0].hi, linears[0].scales)
-    ):
+    if not _kernel_path(x, linears, o):
         x_in = x if group is None else a8(x, group)
         if not _pure_stackable(x_in, linears, o.dense_min_rows):
             ys = [lin._pure(x_in, o.draft, o.dense_min_rows) for lin in linears]
@@ -233,6 +252,15 @@ def _through(
         _record(linears, "kernel")
         return [y]
     return _finish(linears, y, "kernel", gate_up, groups)
+
+
+def _kernel_path(x: mx.array, linears: Sequence[DualPlaneLinear], o: RunOptions) -> bool:
+    """Whether the call runs the Metal kernel (allowed, self-tested, a shape it serves)."""
+    return (
+        o.use_kernels
+        and kernels.use("dual_plane", kernel_self_test)
+        and kernels.dual_plane_supported(x, linears[0].hi, linears[0].scales)
+    )
 
 
 def _epilogue_fusable(linears: Sequence[DualPlaneLinear]) -> bool:

@@ -105,8 +105,15 @@ class NestedKVCache(_BaseCache):
         self.keys: tuple[mx.array, ...] | None = None
         self.values: tuple[mx.array, ...] | None = None
 
-    def _encode(self, x: mx.array) -> tuple[mx.array, ...]:
-        return nest_quantize(x, self.group_size) if self.quantized else (x,)
+    def _encode_both(
+        self, keys: mx.array, values: mx.array
+    ) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...]]:
+        """K and V quantized as one array, side by side along D (the group divides D, so no
+        group spans both): one reduction and one kernel a plane for the two, the same bits."""
+        d = keys.shape[-1]
+        hi, lo, s = nest_quantize(mx.concatenate([keys, values], axis=-1), self.group_size)
+        w, g = d // 8, d // self.group_size
+        return (hi[..., :w], lo[..., :w], s[..., :g]), (hi[..., w:], lo[..., w:], s[..., g:])
 
     def encode_kv(
         self, keys: mx.array, values: mx.array, use_kernels: bool = False
@@ -123,7 +130,7 @@ class NestedKVCache(_BaseCache):
             kernels.record("nested_kv_write", "kernel")
             return kernels.nested_kv_write(keys, values, self.group_size)
         kernels.record("nested_kv_write", "pure")
-        return self._encode(keys), self._encode(values)
+        return self._encode_both(keys, values)
 
     def _decode(self, parts: tuple[mx.array, ...], draft: bool, dtype: mx.Dtype) -> mx.array:
         if not self.quantized:

@@ -55,7 +55,7 @@ class PathKernels:
 # model at 2 layers minus at 1) on the demo's structure (Llama, R3 and R4, no biases, the full
 # draft vocabulary), 2026-12-07: the kernel path 18 a layer for a draft step, 20 for a target
 # step or a 2-row pass, 24 from 3 rows (each projection's input quantized by its own launch);
-# the pure path 43 (draft) and 56 (target and verify); one host sync a round (its acceptance
+# the pure path 41 (draft) and 51 (target and verify); one host sync a round (its acceptance
 # read). tests/test_dispatches.py checks this table against the counter: a cut to the kernels
 # updates it.
 STORED = {
@@ -65,9 +65,9 @@ STORED = {
         verify=((2, PassKernels(20, 15)), (4, PassKernels(24, 16)), (8, PassKernels(24, 16))),
     ),
     "pure": PathKernels(
-        draft=PassKernels(43, 18),
-        target=PassKernels(56, 20),
-        verify=((2, PassKernels(56, 20)), (4, PassKernels(56, 20)), (8, PassKernels(56, 20))),
+        draft=PassKernels(41, 18),
+        target=PassKernels(51, 20),
+        verify=((2, PassKernels(51, 20)), (4, PassKernels(51, 20)), (8, PassKernels(51, 20))),
     ),
 }
 # A DeepSeek-V4 bundle's target step, counted the same way on the demo bundle (per layer = 6
