@@ -184,9 +184,45 @@ def priced_entry(model, price: dict, stats: dict, skipped: int, context: int, co
     return out
 
 
+def table(result: dict) -> str:
+    """The analysis as Markdown: acceptance by draft, then each draft priced (kernel path, the
+    package's own dims and `price_at`'s): speed-up over target-only at T 0 / T 0.7 (best γ)."""
+    names = list(result["rows"][0]["workloads"])
+    big = result["price_at"]
+    head = " | ".join(f"{n} T0 / T0.7" for n in names)
+    lines = [
+        f"| layers skipped | {head} |",
+        "|---|" + "---|" * len(names),
+    ]
+    for r in result["rows"]:
+        cells = [f"{w['agreement']:.3f} / {w['sum_min_pq']:.3f}" for w in r["workloads"].values()]
+        lines.append(f"| {r['skipped']} {r['layers']} | " + " | ".join(cells) + " |")
+    for where in ("own", big):
+        lines += ["", f"priced at {where} dims, kernel path, {result['chip']}:", ""]
+        lines.append(f"| layers skipped | draft step / target step | {head} | vs mlx-lm 4-bit |")
+        lines.append("|---|---|" + "---|" * len(names) + "---|")
+        for r in result["rows"]:
+            ws = list(r["workloads"].values())
+            k = [w[where]["kernel"] for w in ws]
+            cells = [
+                f"{x['T0']['speedup']:.2f}x (γ {x['T0']['gamma']}) / "
+                f"{x['T0.7']['speedup']:.2f}x (γ {x['T0.7']['gamma']})"
+                for x in k
+            ]
+            vs = "/".join(f"{x['T0.7']['vs_mlx_lm_4bit']:.2f}" for x in k)
+            skipped = ws[0][where].get("skipped", r["skipped"])
+            lines.append(
+                f"| {skipped} | {k[0]['draft_step_over_target']:.2f} | "
+                + " | ".join(cells)
+                + f" | {vs} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True)
+    p.add_argument("--model")
+    p.add_argument("--table", type=Path, help="print a finished --out file as Markdown and stop")
     p.add_argument("--tokens", type=int, default=96, help="generated tokens a prompt")
     p.add_argument("--calib-tokens", type=int, default=1024)
     p.add_argument("--skips", default="1,2,3,4,6,8", help="numbers of layers skipped")
@@ -194,6 +230,11 @@ def main() -> None:
     p.add_argument("--context", type=int, default=2048, help="context of the preset's pricing")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    if args.table:
+        print(table(json.loads(args.table.read_text())))
+        return
+    if not args.model:
+        p.error("--model is required (or --table FILE)")
     model, tokenizer = bitnest_mlx.load(args.model)
     model.set_dtype(mx.float32)
     keep_dense(model)

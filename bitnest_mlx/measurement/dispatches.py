@@ -10,6 +10,7 @@ outside is the rest. The kernel path is counted as a Mac runs it after every sel
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -143,16 +144,21 @@ def _prefilled(model: nn.Module, options: RunOptions | None) -> list:
 Run = Callable[[nn.Module, list, RunOptions, dg.Ledger], list]
 
 
-def measure(model: nn.Module, run: Run, *, kernel: bool, parts: list) -> tuple[Counter, int]:
+def measure(
+    model: nn.Module, run: Run, *, kernel: bool, parts: list, prefilled: list | None = None
+) -> tuple[Counter, int]:
     """(kernels by part, host syncs) of `run(model, cache, options, ledger)` after a prefill:
     what it launched plus what its returned arrays and the cache still need. A first call,
-    not counted, does the once-per-model work (the kernel path's plane stacks)."""
+    not counted, does the once-per-model work (the kernel path's plane stacks). `prefilled`:
+    the model's `_prefilled` cache, made once for several steps (each runs on a copy of it:
+    at a 3B's dims the pure prefill is most of a count's time)."""
     options = replace(model.options, use_kernels=kernel) if hasattr(model, "options") else None
     with mock.patch.object(kernels, "use", lambda name, test: kernel):
-        cache = _prefilled(model, options)
+        prefilled = prefilled or _prefilled(model, options)
+        cache = copy.deepcopy(prefilled)
         with dg.gpu_basis(parts=parts) as warm:
             mx.eval(run(model, cache, options, warm))
-        cache = _prefilled(model, options)
+        cache = copy.deepcopy(prefilled)
         with dg.gpu_basis(parts=parts) as ledger:
             pending = run(model, cache, options, ledger)
             states = [a for c in cache for a in c.state]
@@ -209,6 +215,7 @@ def count_bitnest(args, layers: tuple[int, int] = (2, 1)) -> dict:
         f"round_gamma_{ROUND_GAMMA}": bitnest_round(),
     }
     built = {n: bitnest_at(args, n) for n in layers}
+    prefilled = {n: _prefilled(m, m.options) for n, m in built.items()}  # pure: either path's
     out = {}
     for path, kernel in (("kernel", True), ("pure", False)):
         out[path] = {}
@@ -216,7 +223,8 @@ def count_bitnest(args, layers: tuple[int, int] = (2, 1)) -> dict:
             # A round's calls write the cache several times over: its parts would overlap.
             parts = [] if name.startswith("round") else bitnest_parts()
             (hi, syncs), (lo, _) = (
-                measure(built[n], run, kernel=kernel, parts=parts) for n in layers
+                measure(built[n], run, kernel=kernel, parts=parts, prefilled=prefilled[n])
+                for n in layers
             )
             out[path][name] = difference(hi, lo, layers, syncs)
     return out
