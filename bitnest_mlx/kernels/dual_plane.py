@@ -115,8 +115,11 @@ def dual_plane_matmul(
 
 @cache
 def _unused_scale() -> mx.array:
-    """The `ascale` input of a launch that reads none: made once, not a kernel per call."""
-    return mx.ones((1,), mx.float32)
+    """The `ascale` input of a launch that reads none: made and evaluated once, not a kernel
+    per call."""
+    one = mx.ones((1,), mx.float32)
+    mx.eval(one)
+    return one
 
 
 def _launch(
