@@ -189,7 +189,10 @@ def project(
     assert len(linears) == 1, "a residual is added to one Linear's output"
     o = options or _DEFAULT
     (lin,) = linears
-    fusable = not (o.draft or o.dense_min_rows or "bias" in lin or hasattr(lin, "kept_dense"))
+    planes = all(p in lin for p in plane_stack.PLANES)  # not a stand-in with its own `_pure`
+    fusable = planes and not (
+        o.draft or o.dense_min_rows or "bias" in lin or hasattr(lin, "kept_dense")
+    )
     if fusable and not _kernel_path(x, linears, o):
         x_in = a8(x, a8_group) if o.quantize_activations else x
         _record(linears, "pure")
