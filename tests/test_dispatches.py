@@ -159,3 +159,20 @@ def test_target_only_decoding_syncs_once_a_token_with_the_next_step_launched_bef
         prompt, model, max_tokens=6, num_draft_tokens=3, draft_source="model"
     )
     assert [t for t, _, _ in spec] == want
+
+
+def test_a_deepseek_v4_bundle_with_its_experts_resident_syncs_once_a_token():
+    import bitnest_mlx
+    from bitnest_mlx.runtime.demo import demo_bundle_path
+    from bitnest_mlx.runtime.speculative import speculative_generate_step
+
+    counts = d.count_dsv4(demo_bundle_path())
+    assert counts["kernel"].syncs == counts["pure"].syncs == 0  # a forward reads nothing back
+    model, _ = bitnest_mlx.load(demo_bundle_path())
+    prompt = mx.array([5, 6, 7], dtype=mx.uint32)
+    with dg.gpu_basis() as ledger:
+        steps = speculative_generate_step(prompt, model, max_tokens=5, num_draft_tokens=0)
+        tokens = [t for t, _, _ in steps]
+    assert len(tokens) == 5
+    assert len(ledger.syncs) == 1 + 5  # the prompt's cache, then one read a token
+    assert ledger.launched > sum(ledger.syncs)  # each step launched before the last token's read
