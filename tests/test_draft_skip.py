@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from factory import tiny_package
 from mlx_lm.generate import generate_step
+from test_kernels import emulated_metal, needs_cxx
 
 import bitnest_mlx
+from bitnest_mlx import kernels
 from bitnest_mlx.runtime.demo import demo_path
 from bitnest_mlx.runtime.speculative import (
     SpeculativeStats,
@@ -75,3 +77,26 @@ def test_seeded_sampling_with_a_layer_skipping_draft_is_the_target_only_sample(t
     out, stats = run(num_draft_tokens=3, adaptive=False, fallback=False)
     assert out == target_only
     assert 0 < stats.accepted < stats.drafted
+
+
+@needs_cxx
+def test_on_the_kernel_path_a_layer_skipping_draft_gives_target_only_greedy_output(
+    tmp_path, monkeypatch
+):
+    """The same through the Metal kernels (emulated): the skip is above the kernels, the verify
+    pass writes the skipped layers' KV with the write kernel. `parity`: the verify pass one
+    token a call, the kernels of target-only decoding (a multi-row launch rounds differently
+    from a one-row one, with or without a skip)."""
+    model = tiny_package(tmp_path / "m", seed=4, layers=2)
+    emulated_metal(monkeypatch)
+    prompt = mx.array([5, 9, 77, 3], dtype=mx.uint32)
+    ref = [t for t, _ in generate_step(prompt, model, max_tokens=10)]
+    model.options = replace(model.options, draft_skip=frozenset({1}))
+    stats = SpeculativeStats()
+    out = speculative_generate_step(
+        prompt, model, max_tokens=10, num_draft_tokens=2, adaptive=False, fallback=False,
+        parity=True, stats=stats,
+    )  # fmt: skip
+    assert [t for t, *_ in out] == ref
+    assert stats.drafted > 0
+    assert kernels.dispatch._state.calls["dual_plane", "kernel"] > 0  # the kernels ran
