@@ -184,20 +184,8 @@ def project(
     along the last axis (q and k as one array for one RoPE launch); None: one each. Stacked
     outputs come back as slices of the one result, so a group costs no copy. `residual`: added
     to the one Linear's output (see `DualPlaneLinear.__call__`)."""
-    if residual is None:
-        return _through(x, linears, options, a8_group, gate_up=False, groups=groups)
-    assert len(linears) == 1, "a residual is added to one Linear's output"
-    o = options or _DEFAULT
-    (lin,) = linears
-    planes = all(p in lin for p in plane_stack.PLANES)  # not a stand-in with its own `_pure`
-    fusable = planes and not (
-        o.draft or o.dense_min_rows or "bias" in lin or hasattr(lin, "kept_dense")
-    )
-    if fusable and not _kernel_path(x, linears, o):
-        x_in = a8(x, a8_group) if o.quantize_activations else x
-        _record(linears, "pure")
-        return [_nested_plus(*plane_products(x_in, lin, lin.group_size, False), residual)]
-    return [residual + _through(x, linears, options, a8_group, gate_up=False)[0]]
+    assert residual is None or len(linears) == 1, "a residual is added to one Linear's output"
+    return _through(x, linears, options, a8_group, False, groups, residual)
 
 
 def swiglu(
@@ -218,16 +206,21 @@ def _through(
     a8_group: int,
     gate_up: bool,
     groups: Sequence[int] | None = None,
+    residual: mx.array | None = None,
 ) -> list[mx.array]:
-    """The Linears' outputs (gate_up: [silu(gate)·up]; `groups` as `project` takes them) by
-    the kernel or the pure path."""
+    """The Linears' outputs (gate_up: [silu(gate)·up]; `groups` and `residual` as `project`
+    takes them) by the kernel or the pure path."""
     o = options or _DEFAULT
     group = a8_group if o.quantize_activations else None
     if not _kernel_path(x, linears, o):
         x_in = x if group is None else a8(x, group)
+        if residual is not None and _residual_fusable(linears[0], o):
+            (lin,) = linears
+            _record(linears, "pure")
+            return [_nested_plus(*plane_products(x_in, lin, lin.group_size, False), residual)]
         if not _pure_stackable(x_in, linears, o.dense_min_rows):
             ys = [lin._pure(x_in, o.draft, o.dense_min_rows) for lin in linears]
-            return _finish(linears, ys, "pure", gate_up, groups)
+            return _finish(linears, ys, "pure", gate_up, groups, residual)
         # One quantized matmul per plane for the group: each output row is computed as the
         # Linear's own call computes it, so the values are the same.
         stack = plane_stack.stacked_planes(linears)
@@ -238,14 +231,14 @@ def _through(
                 return [_silu_mul(*_split_rows(y_hi, linears))]
             return [_silu_mul_nested(*_split_rows(y_hi, linears), *_split_rows(y_lo, linears))]
         y = y_hi if y_lo is None else nested(y_hi, y_lo)
-        return _finish(linears, y, "pure", gate_up, groups)
+        return _finish(linears, y, "pure", gate_up, groups, residual)
     # A8 inside the launch where the kernel can reduce the group's scale, else quantized first.
     fusable = group is not None and kernels.a8_fusable(group, x.shape[-1])
     x_in = x if fusable or group is None else a8(x, group)
     a8_group = group if fusable else None
     if not plane_stack.stackable(linears):
         ys = [lin._kernel(x_in, a8_group, o.draft) for lin in linears]
-        return _finish(linears, ys, "kernel", gate_up, groups)
+        return _finish(linears, ys, "kernel", gate_up, groups, residual)
     s = plane_stack.stacked_planes(linears)
     fused = gate_up and _epilogue_fusable(linears)
     y = kernels.dual_plane_matmul(
@@ -254,7 +247,7 @@ def _through(
     if fused:
         _record(linears, "kernel")
         return [y]
-    return _finish(linears, y, "kernel", gate_up, groups)
+    return _finish(linears, y, "kernel", gate_up, groups, residual)
 
 
 def _kernel_path(x: mx.array, linears: Sequence[DualPlaneLinear], o: RunOptions) -> bool:
@@ -264,6 +257,14 @@ def _kernel_path(x: mx.array, linears: Sequence[DualPlaneLinear], o: RunOptions)
         and kernels.use("dual_plane", kernel_self_test)
         and kernels.dual_plane_supported(x, linears[0].hi, linears[0].scales)
     )
+
+
+def _residual_fusable(lin: DualPlaneLinear, o: RunOptions) -> bool:
+    """Can the pure path add a residual in W8's epilogue: a target call, the Linear's own planes
+    (not a stand-in with its own `_pure`, not dense weights or a dense pass), no bias between."""
+    planes = all(p in lin for p in plane_stack.PLANES)
+    dense = o.dense_min_rows or hasattr(lin, "kept_dense")
+    return planes and not (o.draft or dense or "bias" in lin)
 
 
 def _epilogue_fusable(linears: Sequence[DualPlaneLinear]) -> bool:
@@ -312,10 +313,22 @@ def _finish(
     path: str,
     gate_up: bool,
     groups: Sequence[int] | None = None,
+    residual: mx.array | None = None,
+) -> list[mx.array]:
+    """`_outputs`, and `residual` added to the one Linear's output when given."""
+    _record(linears, path)
+    out = _outputs(linears, y, gate_up, groups)
+    return out if residual is None else [residual + out[0]]
+
+
+def _outputs(
+    linears: Sequence[DualPlaneLinear],
+    y: mx.array | Sequence[mx.array],
+    gate_up: bool,
+    groups: Sequence[int] | None,
 ) -> list[mx.array]:
     """Each Linear's bias added to its own output (after the kernel), then silu(gate)·up or
     the outputs joined in `groups`. `y`: the stacked output [..., ΣN] or one per Linear."""
-    _record(linears, path)
     biased = any("bias" in lin for lin in linears)
     if isinstance(y, mx.array) and not (biased or gate_up):
         return _split_rows(y, linears, groups)

@@ -98,7 +98,6 @@ def bitnest_parts() -> list[tuple]:
         (dual_plane, "a8", "a8"),
         (dual_plane, "_finish", lambda lins, y, path, up, *_: "mlp" if up else "projection"),
         (dual_plane, "_through", "projection"),
-        (dual_plane, "project", "projection"),  # with the residual it adds
         (attention, "_rotate", "rope"),
         (attention, "_rotate_qk", "rope"),
         (attention, "_k_offset", "rope"),
