@@ -47,16 +47,18 @@ from bitnest_mlx.layers.options import RunOptions
 from bitnest_mlx.measurement import step_costs
 from bitnest_mlx.measurement.speed_projection import skeleton, spec_of
 from bitnest_mlx.measurement.workloads import WORKLOADS, load_workload, prompt_ids
+from bitnest_mlx.runtime.sampling import Sampler
 from bitnest_mlx.runtime.step_kernels import STORED
 from bitnest_mlx.runtime.step_time import Step, step_seconds, tokens_per_second
 from bitnest_mlx.runtime.token_bytes import head_bytes, kv_bytes, weight_bytes
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tree_analysis import greedy_tokens_per_round  # noqa: E402
+from tree_analysis import greedy_tokens_per_round, sampled_tokens_per_round  # noqa: E402
 
 CHIP = "M4 Max"
 GAMMAS = range(1, 9)
 TEMP, TOP_P = 0.7, 0.95
+SAMPLER = Sampler(TEMP, TOP_P)  # what the T 0.7 workloads sample with
 DENSE = RunOptions(dense_min_rows=1, use_kernels=False)
 
 
@@ -79,25 +81,14 @@ def logits_over(model, ids: list[int], start: int, skip: frozenset[int] | None) 
     return model(mx.array(ids)[None], options=o)[0, start - 1 : -1].astype(mx.float32)
 
 
-def nucleus_probs(logits: mx.array) -> np.ndarray:
-    """Sampling probabilities at TEMP with top-p TOP_P (what the T 0.7 workloads sample)."""
-    p = np.exp(np.array(logits / TEMP - mx.logsumexp(logits / TEMP, axis=-1, keepdims=True)))
-    order = np.argsort(-p, axis=-1)
-    sorted_p = np.take_along_axis(p, order, axis=-1)
-    keep_sorted = np.cumsum(sorted_p, axis=-1) - sorted_p < TOP_P
-    keep = np.zeros_like(keep_sorted)
-    np.put_along_axis(keep, order, keep_sorted, axis=-1)
-    p = np.where(keep, p, 0.0)
-    return p / p.sum(-1, keepdims=True)
-
-
 def compare(p_logits: mx.array, q_logits: mx.array) -> dict[str, np.ndarray]:
     """Per position: whether the draft's greedy token is the target's (rank 0 of the target's
     token among the draft's logits), and Σ min(p, q) at TEMP / TOP_P."""
     target = mx.argmax(p_logits, axis=-1)
     true_q = mx.take_along_axis(q_logits, target[:, None], axis=-1)
     ranks = np.array((q_logits > true_q).sum(axis=-1))
-    beta = np.minimum(nucleus_probs(p_logits), nucleus_probs(q_logits)).sum(-1)
+    p, q = (np.exp(np.array(SAMPLER.logprobs(x), dtype=np.float64)) for x in (p_logits, q_logits))
+    beta = np.minimum(p, q).sum(-1)
     return {"ranks": ranks, "beta": beta}
 
 
@@ -136,11 +127,7 @@ def chain_tokens(stats: dict, gamma: int, temp: float) -> float:
     accepted with probability Σ min(p, q) at its position at T 0.7."""
     if temp == 0:
         return greedy_tokens_per_round(stats["ranks"], (1,) * gamma)
-    beta, total, reach = stats["beta"], np.ones(len(stats["beta"])), np.ones(len(stats["beta"]))
-    for d in range(gamma):
-        reach = reach * np.concatenate([beta[d:], np.zeros(d)])
-        total += reach
-    return float(total.mean())
+    return sampled_tokens_per_round(stats["beta"][:, None], (1,) * gamma)
 
 
 def priced(stats: dict, cost, temp: float) -> dict:
