@@ -138,7 +138,9 @@ def _require(key: str, a: mx.array, shape: tuple, dtypes: tuple) -> None:
         raise BundleError(f"{key}: shape {tuple(a.shape)}, expected {tuple(shape)}")
 
 
-def _affine_params(config: dict, name: str) -> tuple[int, int]:
+def affine_params(config: dict, name: str) -> tuple[int, int]:
+    """(bits, group) of the affine tensor `name`: its own `quantization` entry, else the
+    bundle's defaults (8 bits, groups of 32)."""
     q = config.get("quantization") or {}
     own = q.get(name) if isinstance(q.get(name), dict) else {}
     return int(own.get("bits", q.get("bits", 8))), int(
@@ -254,7 +256,7 @@ def _read_linear(name, slot, got, config, out, affine) -> str:
     if _take_float(name, slot, got, out):
         return "float"
     _require_parts(name, got, ("weight", "scales", "biases"))
-    bits, group = _affine_params(config, name)
+    bits, group = affine_params(config, name)
     if in_f % group:
         raise BundleError(f"{name}.scales: in_features {in_f} not divisible by group {group}")
     key, w = got["weight"]

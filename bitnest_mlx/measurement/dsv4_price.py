@@ -44,7 +44,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..formats import mxtq
-from ..formats.dsv4_bundle import _affine_params, bit_plan, plan_key, schedule
+from ..formats.dsv4_bundle import affine_params, bit_plan, plan_key, schedule
 from ..formats.dsv4_config import DSV4Config
 from ..models.deepseek_v4_weights import float32_math
 from ..runtime.step_kernels import STORED_DSV4
@@ -156,7 +156,7 @@ def weight_bytes(config: dict, context: int, dtype_bytes: int = DTYPE_BYTES) -> 
             scoring = name.endswith((".indexer.wq_b", ".indexer.weights_proj"))
             if scoring and not _indexer_scores(c, context):
                 continue  # the top-k of at most k entries: the indexer does not score
-            bits, group = _affine_params(config, name)  # the bundle reader's own rule
+            bits, group = affine_params(config, name)  # the bundle reader's own rule
             scale = dtype_bytes if slot.kind == "embedding" else SCALE_BYTES
             row = cols * bits / 8 + 2 * (cols // group) * scale
             out[part] += row if slot.kind == "embedding" else rows * row
