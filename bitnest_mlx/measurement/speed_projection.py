@@ -117,7 +117,7 @@ def project(
     spec = spec_of(model)
     args = skeleton(spec).args
     # Counted once, at the package's own draft vocabulary: a reduced one's head adds 2 kernels to
-    # a draft step outside the layers on the demo, not worth a count each (an hour at 3B)
+    # a draft step outside the layers on the demo, not worth a count each (about 17 min at 3B here)
     counts = step_costs.counted(args)
     rows = {}
     for i, (size, alpha) in enumerate(sizes.items()):

@@ -4,7 +4,7 @@ roofline, kernels per token counted from the model's own graph (`dispatches`), h
 round as counted, on each chip's constants (runtime/step_time.py, docs/step-time.md).
 
 A count builds the model at 2 and 1 layers and walks each step's graph: tens of seconds on a
-small model here, an hour at 3B dims. So each structure (a model's args) is counted once per
+small model here, about 17 min at 3B dims. So each structure (a model's args) is counted once per
 process; `counts` may be given instead (a count already made, or `step_kernels.STORED` where a
 test does not measure the counter).
 
