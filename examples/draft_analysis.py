@@ -46,7 +46,7 @@ from bitnest_mlx.layers.dual_plane import keep_dense
 from bitnest_mlx.layers.options import RunOptions
 from bitnest_mlx.measurement import step_costs
 from bitnest_mlx.measurement.speed_projection import skeleton, spec_of
-from bitnest_mlx.measurement.workloads import WORKLOADS, load_workload, prompt_ids
+from bitnest_mlx.measurement.workloads import WORKLOADS, cost_models, load_workload, prompt_ids
 from bitnest_mlx.runtime.sampling import Sampler
 from bitnest_mlx.runtime.step_kernels import STORED
 from bitnest_mlx.runtime.step_time import Step, step_seconds, tokens_per_second
@@ -140,12 +140,8 @@ def priced(stats: dict, cost, temp: float) -> dict:
 
 def pricing(model, context: int, counts=None) -> dict:
     """{path: CostModel} on CHIP and mlx-lm 4-bit's tok/s, for `model`'s dims at `context`."""
-    costs = {
-        path: step_costs.cost_model(model, context, CHIP, path, counts=counts)
-        for path in ("kernel", "pure")
-    }
     return {
-        "costs": costs,
+        "costs": cost_models(model, context, (CHIP,), counts)[CHIP],
         "peer4": tokens_per_second(step_costs.peer_step(model.args, 4, context), CHIP),
     }
 
