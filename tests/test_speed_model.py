@@ -158,3 +158,30 @@ def test_a_workload_run_ends_after_the_round_holding_its_end_of_sequence_token(m
     tokens, stats = workloads.speculate(None, [1], 100, None, 0, "auto", eos_token_ids=[2])
     assert tokens == [5, 6, 7, 8, 2]
     assert len(stats.round_log) == 2  # the round that held the end, whole; no round after it
+
+
+@pytest.mark.parametrize("path", ["kernel", "pure"])
+def test_a_workload_run_plans_with_the_step_time_of_the_path_it_is_asked_to_plan_for(
+    monkeypatch, path
+):
+    """`--workload-plan-path kernel` makes a CPU run plan as a Mac with the kernels would: the
+    loop gets that path's step-time cost model at the run's chip and the prompt's context."""
+    from bitnest_mlx.measurement import step_costs, workloads
+    from bitnest_mlx.runtime.demo import demo_path
+    from bitnest_mlx.runtime.loader import load
+    from bitnest_mlx.runtime.sampling import Sampler
+    from bitnest_mlx.runtime.speed_model import Round
+
+    model, _ = load(demo_path())
+    seen = []
+
+    def fake_loop(prompt, model, *, stats, cost_model=None, **kwargs):
+        seen.append(cost_model)
+        stats.record(Round("model", drafted=1, accepted=1, draft_calls=(1,)))
+        yield from ((t, None, i == 0) for i, t in enumerate([5, 6]))
+
+    monkeypatch.setattr(workloads, "speculative_generate_step", fake_loop)
+    workloads.run_prompts(model, {"p": [1, 2, 3]}, 2, Sampler(), 0, "auto", plan_path=path)
+    workloads.run_prompts(model, {"p": [1, 2, 3]}, 2, Sampler(), 0, "auto")
+    expected = step_costs.cost_model(model, 3 + 2 // 2, "M4 Max", path)
+    assert seen == [expected, None]  # None: the loop's own default, the path taken here

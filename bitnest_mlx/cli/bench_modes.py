@@ -21,6 +21,7 @@ from ..measurement import (
 from ..measurement.workloads import CONFIGS, WORKLOADS
 from ..runtime.demo import DEMO, resolve_model
 from ..runtime.loader import LOAD_ERRORS, load
+from ..runtime.speed_model import PATHS
 from .args import non_negative_float, positive_int, refuse
 
 
@@ -87,6 +88,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="--workloads: keep W4 and W8 as float matrices (8 bytes per weight) so that a CPU "
         "verifies M rows for about the cost of one (layers.dual_plane.keep_dense; float "
         "rounding as the dense path)",
+    )
+    p.add_argument(
+        "--workload-plan-path",
+        choices=PATHS,
+        help="--workloads: the controller plans with this path's step-time costs on the chip "
+        "it plans for (off Metal an M4 Max): 'kernel' plans as a Mac with the Metal kernels "
+        "would (default: the path the model takes here)",
     )
     p.add_argument(
         "--workload-configs",
@@ -197,6 +205,7 @@ def workloads(args: argparse.Namespace) -> int:
         progress,
         draft_vocab_join=args.draft_vocab_join == "on",
         dense_weights=args.dense_weights,
+        plan_path=args.workload_plan_path,
     )
     result = {"model": str(args.model), **result}
     print(json.dumps(result, indent=2) if args.json else bench_workloads.report(result))

@@ -30,6 +30,7 @@ def run(
     progress: Callable[[str], None],
     draft_vocab_join: bool = True,
     dense_weights: bool = False,
+    plan_path: str | None = None,
 ) -> dict:
     """`run_workloads` on a loaded package (its W4 and W8 kept as float matrices first with
     `dense_weights`), with the v(M) table the projections used."""
@@ -47,6 +48,7 @@ def run(
         ngram_tokens,
         progress,
         draft_vocab_join=draft_vocab_join,
+        plan_path=plan_path,
     )
     result = {**result, "verify_cost": verify_table()}
     result["settings"]["dense_weights"] = dense_weights

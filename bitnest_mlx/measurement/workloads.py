@@ -123,15 +123,21 @@ def run_prompts(
     num_draft_tokens: int = 3,
     ngram_tokens: int = 8,
     done: Callable[[str, dict], None] | None = None,
+    plan_path: str | None = None,
     **kwargs,
 ) -> tuple[SpeculativeStats, dict]:
     """`speculate` on each prompt: (every round pooled, {name: {prompt_tokens, generated,
     tokens_per_round, projected_speedup (`projection` at the prompt's mean context), sources,
-    tokens}}); `done(name, entry)` after each (kwargs go to `speculate`)."""
+    tokens}}); `done(name, entry)` after each (kwargs go to `speculate`). `plan_path`: plan as
+    the run's chip would on that path ("kernel": as a Mac runs), not the path taken here."""
     merged, per_prompt = SpeculativeStats(), {}
     for name, ids in prompts.items():
         # A round may overrun the budget by a copy extended by a chain: keep it in the context.
         room = model.args.max_position_embeddings - len(ids) - ngram_tokens - num_draft_tokens - 2
+        if plan_path is not None:
+            kwargs["cost_model"] = cost_model(
+                model, len(ids) + gen_tokens // 2, run_chip(), plan_path
+            )
         tokens, stats = speculate(
             model,
             ids,
@@ -172,9 +178,11 @@ def run_workloads(
     ngram_tokens: int = 8,
     progress: Callable[[str], None] | None = None,
     draft_vocab_join: bool = True,
+    plan_path: str | None = None,
 ) -> dict:
     """Per workload, temperature and draft configuration: tokens per round, per-source stats
-    and the projected speedup on `PROJECT_CHIPS` (both v(M) paths), over all its prompts."""
+    and the projected speedup on `PROJECT_CHIPS` (both v(M) paths), over all its prompts.
+    `plan_path`: see `run_prompts` (None: the path the model takes here)."""
     eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
     out: dict = {}
     for name in workloads:
@@ -197,6 +205,7 @@ def run_workloads(
                     num_draft_tokens,
                     ngram_tokens,
                     done,
+                    plan_path=plan_path,
                     eos_token_ids=eos,
                     draft_vocab_join=draft_vocab_join,
                 )
@@ -211,6 +220,7 @@ def run_workloads(
             "ngram_tokens": ngram_tokens,
             "draft_vocab_join": draft_vocab_join,
             "controller_chip": run_chip(),
+            "controller_path": plan_path or "as run",
             "top_p": 0.95,
         },
         "workloads": out,
