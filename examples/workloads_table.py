@@ -10,6 +10,14 @@ prices each prompt's mean round (`measurement.workload_rounds`) at the 3B's step
 at the prompt's context and the runtime's stored kernels a layer (`step_kernels.STORED`, the
 counter's on the demo's structure; `bench --speed-model --model llama-3.2-3b` counts them at
 the 3B's dims). Copies extended by the chain count as copies (no draft step).
+
+    python examples/workloads_table.py 'RUNS/*.json' --sources
+
+One row per model, workload and temperature, the draft configurations side by side (issue 52):
+each one's tokens per round and projected speed-up over target-only on an M4 Max's kernel path
+at the package's own dims (as `bench --workloads` reports it) and at Llama-3.2-3B's (the mean
+round re-priced, as above), the ratio to mlx-lm's 4-bit Llama of the same dims there, and
+whether `chain+ngram` (auto) reaches the best single source (chain or ngram) at each.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from bitnest_mlx.measurement import step_costs
 from bitnest_mlx.measurement.speed_projection import skeleton, spec_of
 from bitnest_mlx.measurement.workload_rounds import WorkloadRounds, speedup_at
 from bitnest_mlx.runtime.step_kernels import STORED
+from bitnest_mlx.runtime.step_time import step_seconds, tokens_per_second
 
 CHIPS = ("M1", "M3 Max", "M4 Max")
 LLAMA_3B = skeleton(spec_of("llama-3.2-3b"))
@@ -57,22 +66,80 @@ def _totals(sources: dict, *names: str) -> tuple[int, int]:
     return tuple(sum(sources.get(n, {}).get(k, 0) for n in names) for k in ("accepted", "drafted"))
 
 
-def projection_3b(r: dict) -> float:
+def projection_3b(r: dict, path: str = "pure") -> float:
     """The harmonic mean over prompts of each prompt's mean round at the 3B's step time."""
     inverse = []
     for p in r["prompts"].values():
         src, tpr = p["sources"], p["tokens_per_round"]
         rounds = WorkloadRounds(tpr, _totals(src, "model"), _totals(src, "ngram", "ngram+model"))
         context = p["prompt_tokens"] + p["generated"] // 2
-        cost = step_costs.cost_model(LLAMA_3B, context, "M4 Max", "pure", counts=STORED)
+        cost = step_costs.cost_model(LLAMA_3B, context, "M4 Max", path, counts=STORED)
         inverse.append(1 / speedup_at(rounds, cost) if tpr > 1 else 1 / (1 + cost.syncs()))
     return len(inverse) / sum(inverse)
+
+
+def target_over_peer4(model, r: dict, chip: str = "M4 Max") -> float:
+    """Target-only tok/s over mlx-lm 4-bit's of `model`'s dims on `chip`'s kernel path, at the
+    prompts' mean context (stored kernels a layer: the counts do not change with the dims)."""
+    context = round(sum(p["prompt_tokens"] + p["generated"] / 2 for p in r["prompts"].values()))
+    context //= len(r["prompts"])
+    cost = step_costs.cost_model(model, context, chip, "kernel", counts=STORED)
+    peer = tokens_per_second(step_costs.peer_step(model.args, 4, context), chip)
+    return 1 / step_seconds(cost.target_step, chip) / peer
+
+
+SOURCES = ("chain", "ngram", "chain+ngram")
+
+
+def source_rows(paths: list[str]) -> list[str]:
+    """The --sources table: a row per model, workload and temperature."""
+    out = []
+    for path in sorted(paths):
+        run = json.loads(Path(path).read_text())
+        own = skeleton(spec_of(run["model"]))
+        for name, temps in run["workloads"].items():
+            for temp, configs in temps.items():
+                out.append(source_row(Path(run["model"]).name, own, name, temp, configs))
+    return out
+
+
+def source_row(model: str, own, name: str, temp: str, configs: dict) -> str:
+    have = [c for c in SOURCES if c in configs]
+    cells, verdicts = [], []
+    for where in ("own", "3b"):
+        speed = {
+            c: configs[c]["projected_speedup"]["M4 Max"]["kernel"]
+            if where == "own"
+            else projection_3b(configs[c], "kernel")
+            for c in have
+        }
+        ratio = target_over_peer4(own if where == "own" else LLAMA_3B, configs[have[0]])
+        cells.append(" / ".join(f"{speed[c]:.2f}x" for c in have))
+        cells.append(f"{speed.get('chain+ngram', max(speed.values())) * ratio:.2f}")
+        if "chain+ngram" in speed and len(speed) > 1:
+            single = max(v for c, v in speed.items() if c != "chain+ngram")
+            verdicts.append("yes" if speed["chain+ngram"] >= single - 0.005 else "**no**")
+    tpr = " / ".join(f"{configs[c]['tokens_per_round']:.2f}" for c in have)
+    return (
+        f"| {model} | {name} | {temp} | {tpr} | "
+        + " | ".join(cells)
+        + (f" | {' / '.join(verdicts)} |")
+    )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", help="glob of bench --workloads --json outputs")
+    p.add_argument("--sources", action="store_true", help="the draft configurations side by side")
     args = p.parse_args()
+    if args.sources:
+        print(
+            "| model | workload | T | tokens/round (chain / ngram / auto) | M4 Max kernel, own "
+            "dims | auto vs mlx-lm 4-bit | 3B at M4 Max kernel | auto vs mlx-lm 4-bit "
+            "| auto ≥ best single (own / 3B) |\n|---|---|---|---|---|---|---|---|---|"
+        )
+        print("\n".join(source_rows(glob.glob(args.runs))))
+        return
     print(
         "| model | workload | T | drafts | tokens/round | M1 | M3 Max | M4 Max | 3B at M4 Max "
         "| accepted/drafted by source |\n|---|---|---|---|---|---|---|---|---|---|"

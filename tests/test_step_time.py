@@ -193,7 +193,10 @@ def test_step_time_rounds_add_kernels_and_the_rounds_sync():
 
 def test_doctor_times_t_k_and_t_sync_here_beside_the_models_constants():
     r = doctor_launch.launch_report(None, repeats=5)
-    assert r["t_kernel_us"] > 0 and r["t_sync_us"] > 0
+    # Each is a difference of medians clamped at 0 (a loaded machine may time either as 0);
+    # together they are one eval's time, never 0.
+    assert r["t_kernel_us"] >= 0 and r["t_sync_us"] >= 0
+    assert r["t_kernel_us"] + r["t_sync_us"] > 0
     assert r["chain"] == list(doctor_launch.CHAIN) and r["repeats"] == 5
     assert r["table_chip"] is None and r["table_t_kernel_us"] is None
     mac = doctor_launch.launch_report("Apple M3 Pro", repeats=5)
