@@ -161,16 +161,19 @@ def test_a_workload_run_ends_after_the_round_holding_its_end_of_sequence_token(m
 
 
 @pytest.mark.parametrize("path", ["kernel", "pure"])
-def test_a_workload_run_plans_with_the_step_time_of_the_path_it_is_asked_to_plan_for(
+def test_a_workload_run_plans_with_the_step_time_of_the_path_and_dims_it_is_asked_to_plan_for(
     monkeypatch, path
 ):
-    """`--workload-plan-path kernel` makes a CPU run plan as a Mac with the kernels would: the
-    loop gets that path's step-time cost model at the run's chip and the prompt's context."""
-    from bitnest_mlx.measurement import step_costs, workloads
+    """`--workload-plan-path kernel` makes a CPU run plan as a Mac with the kernels would, and
+    `--workload-plan-dims` as a model of those dims would: the loop gets that step-time cost
+    model at the run's chip and the prompt's context; without either, the loop's own."""
+    from bitnest_mlx.measurement import bench_workloads, step_costs, workloads
+    from bitnest_mlx.measurement.speed_projection import skeleton, spec_of
     from bitnest_mlx.runtime.demo import demo_path
     from bitnest_mlx.runtime.loader import load
     from bitnest_mlx.runtime.sampling import Sampler
     from bitnest_mlx.runtime.speed_model import Round
+    from bitnest_mlx.runtime.step_kernels import STORED
 
     model, _ = load(demo_path())
     seen = []
@@ -181,7 +184,13 @@ def test_a_workload_run_plans_with_the_step_time_of_the_path_it_is_asked_to_plan
         yield from ((t, None, i == 0) for i, t in enumerate([5, 6]))
 
     monkeypatch.setattr(workloads, "speculative_generate_step", fake_loop)
-    workloads.run_prompts(model, {"p": [1, 2, 3]}, 2, Sampler(), 0, "auto", plan_path=path)
-    workloads.run_prompts(model, {"p": [1, 2, 3]}, 2, Sampler(), 0, "auto")
-    expected = step_costs.cost_model(model, 3 + 2 // 2, "M4 Max", path)
-    assert seen == [expected, None]  # None: the loop's own default, the path taken here
+    for dims in (None, "llama-3.2-3b", "none"):
+        plan = None if dims == "none" else bench_workloads.plan_costs(model, path, dims)
+        workloads.run_prompts(model, {"p": [1, 2, 3]}, 2, Sampler(), 0, "auto", plan=plan)
+    big = skeleton(spec_of("llama-3.2-3b"))
+    assert seen == [
+        step_costs.cost_model(model, 3 + 2 // 2, "M4 Max", path),
+        step_costs.cost_model(big, 3 + 2 // 2, "M4 Max", path, counts=STORED),
+        None,
+    ]
+    assert bench_workloads.plan_costs(model, None, None) is None

@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "real-model page) at draft vocabulary K (a token count, 'full', or 'package': as the "
         "package stores it, the one row without this flag); one row per pair",
     )
+    _add_workload_arguments(p)
+
+
+def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workloads",
         nargs="*",
@@ -95,6 +99,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="--workloads: the controller plans with this path's step-time costs on the chip "
         "it plans for (off Metal an M4 Max): 'kernel' plans as a Mac with the Metal kernels "
         "would (default: the path the model takes here)",
+    )
+    p.add_argument(
+        "--workload-plan-dims",
+        metavar="MODEL",
+        help="--workloads: the controller plans with the step time of this model's dims (a "
+        "preset such as llama-3.2-3b, or a package; the runtime's stored kernels a layer) "
+        "instead of the package's own: the rounds a model of that size would plan at this "
+        "package's acceptance (default: the package's own dims)",
     )
     p.add_argument(
         "--workload-configs",
@@ -206,6 +218,7 @@ def workloads(args: argparse.Namespace) -> int:
         draft_vocab_join=args.draft_vocab_join == "on",
         dense_weights=args.dense_weights,
         plan_path=args.workload_plan_path,
+        plan_dims=args.workload_plan_dims,
     )
     result = {"model": str(args.model), **result}
     print(json.dumps(result, indent=2) if args.json else bench_workloads.report(result))

@@ -13,8 +13,26 @@ from collections.abc import Callable, Sequence
 import mlx.nn as nn
 
 from ..layers.dual_plane import keep_dense
-from ..runtime.speed_model import verify_table
+from ..runtime.speed_model import CostModel, verify_table
+from ..runtime.step_kernels import STORED, run_chip, run_path
+from .speed_projection import skeleton, spec_of
+from .step_costs import cost_model
 from .workloads import PROJECT_CHIPS, run_workloads
+
+
+def plan_costs(
+    model: nn.Module, path: str | None, dims: str | None
+) -> Callable[[int], CostModel] | None:
+    """context -> the CostModel the runs plan with: the step time of `path` (default: the path
+    the model takes here) at the dims of `dims` (a preset or package; default the model's own,
+    its kernels counted; a preset's are the runtime's stored kernels a layer, as
+    `bench --speed-model` prices it), on the chip the run plans for. None when neither is set."""
+    if path is None and dims is None:
+        return None
+    path = path or run_path(model)
+    priced = model if dims is None else skeleton(spec_of(dims))
+    counts = None if dims is None else STORED
+    return lambda context: cost_model(priced, context, run_chip(), path, counts=counts)
 
 
 def run(
@@ -31,6 +49,7 @@ def run(
     draft_vocab_join: bool = True,
     dense_weights: bool = False,
     plan_path: str | None = None,
+    plan_dims: str | None = None,
 ) -> dict:
     """`run_workloads` on a loaded package (its W4 and W8 kept as float matrices first with
     `dense_weights`), with the v(M) table the projections used."""
@@ -48,10 +67,12 @@ def run(
         ngram_tokens,
         progress,
         draft_vocab_join=draft_vocab_join,
-        plan_path=plan_path,
+        plan=plan_costs(model, plan_path, plan_dims),
     )
     result = {**result, "verify_cost": verify_table()}
     result["settings"]["dense_weights"] = dense_weights
+    result["settings"]["controller_path"] = plan_path or run_path(model)
+    result["settings"]["controller_dims"] = plan_dims or "own"
     return result
 
 

@@ -123,21 +123,20 @@ def run_prompts(
     num_draft_tokens: int = 3,
     ngram_tokens: int = 8,
     done: Callable[[str, dict], None] | None = None,
-    plan_path: str | None = None,
+    plan: Callable[[int], CostModel] | None = None,
     **kwargs,
 ) -> tuple[SpeculativeStats, dict]:
     """`speculate` on each prompt: (every round pooled, {name: {prompt_tokens, generated,
     tokens_per_round, projected_speedup (`projection` at the prompt's mean context), sources,
-    tokens}}); `done(name, entry)` after each (kwargs go to `speculate`). `plan_path`: plan as
-    the run's chip would on that path ("kernel": as a Mac runs), not the path taken here."""
+    tokens}}); `done(name, entry)` after each (kwargs go to `speculate`). `plan`: the fixed
+    costs each prompt's run plans with, from its expected mean context (None: the loop's own,
+    `step_kernels.run_cost`)."""
     merged, per_prompt = SpeculativeStats(), {}
     for name, ids in prompts.items():
         # A round may overrun the budget by a copy extended by a chain: keep it in the context.
         room = model.args.max_position_embeddings - len(ids) - ngram_tokens - num_draft_tokens - 2
-        if plan_path is not None:
-            kwargs["cost_model"] = cost_model(
-                model, len(ids) + gen_tokens // 2, run_chip(), plan_path
-            )
+        if plan is not None:
+            kwargs["cost_model"] = plan(len(ids) + gen_tokens // 2)
         tokens, stats = speculate(
             model,
             ids,
@@ -178,11 +177,11 @@ def run_workloads(
     ngram_tokens: int = 8,
     progress: Callable[[str], None] | None = None,
     draft_vocab_join: bool = True,
-    plan_path: str | None = None,
+    plan: Callable[[int], CostModel] | None = None,
 ) -> dict:
     """Per workload, temperature and draft configuration: tokens per round, per-source stats
     and the projected speedup on `PROJECT_CHIPS` (both v(M) paths), over all its prompts.
-    `plan_path`: see `run_prompts` (None: the path the model takes here)."""
+    `plan`: see `run_prompts`."""
     eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
     out: dict = {}
     for name in workloads:
@@ -205,7 +204,7 @@ def run_workloads(
                     num_draft_tokens,
                     ngram_tokens,
                     done,
-                    plan_path=plan_path,
+                    plan=plan,
                     eos_token_ids=eos,
                     draft_vocab_join=draft_vocab_join,
                 )
@@ -220,7 +219,6 @@ def run_workloads(
             "ngram_tokens": ngram_tokens,
             "draft_vocab_join": draft_vocab_join,
             "controller_chip": run_chip(),
-            "controller_path": plan_path or "as run",
             "top_p": 0.95,
         },
         "workloads": out,
