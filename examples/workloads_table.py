@@ -97,9 +97,12 @@ def source_rows(paths: list[str]) -> list[str]:
     for path in sorted(paths):
         run = json.loads(Path(path).read_text())
         own = skeleton(spec_of(run["model"]))
+        label = Path(run["model"]).name
+        dims = run["settings"].get("controller_dims", "own")
+        label += "" if dims == "own" else f" (plans at {dims})"
         for name, temps in run["workloads"].items():
             for temp, configs in temps.items():
-                out.append(source_row(Path(run["model"]).name, own, name, temp, configs))
+                out.append(source_row(label, own, name, temp, configs))
     return out
 
 
