@@ -121,7 +121,8 @@ def source_row(model: str, own, name: str, temp: str, configs: dict) -> str:
         cells.append(f"{speed.get('chain+ngram', max(speed.values())) * ratio:.2f}")
         if "chain+ngram" in speed and len(speed) > 1:
             single = max(v for c, v in speed.items() if c != "chain+ngram")
-            verdicts.append("yes" if speed["chain+ngram"] >= single - 0.005 else "**no**")
+            gap = speed["chain+ngram"] / single - 1
+            verdicts.append("yes" if gap >= 0 else f"**no** ({100 * gap:+.1f} %)")
     tpr = " / ".join(f"{configs[c]['tokens_per_round']:.2f}" for c in have)
     return (
         f"| {model} | {name} | {temp} | {tpr} | "

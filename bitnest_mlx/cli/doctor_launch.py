@@ -124,13 +124,11 @@ def dsv4_report(step_costs: dict, chip: str | None) -> dict:
             "is not a Mac the model knows)"
         )
     config = dsv4_price.flash_config()
-    rows = []
-    for t in dsv4_price.CONTEXTS:
-        for path in dsv4_price.PATHS:
-            step = dsv4_price.flash_step(config, t, path)
-            rows.append(
-                {"context": t, "path": path, "gb": step.nbytes / 1e9, **dsv4_price.priced(step, c)}
-            )
+    rows = [
+        dsv4_price.step_row(config, c, t, path)
+        for t in dsv4_price.CONTEXTS
+        for path in dsv4_price.PATHS
+    ]
     return {
         "model": config.get("_name_or_path"),
         "chip": known,

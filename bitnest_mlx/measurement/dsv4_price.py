@@ -238,17 +238,20 @@ def anchors_for(chip: str, context: int) -> list[dict]:
     ]
 
 
-def row(config: dict, chip: str, context: int, path: str) -> dict:
-    """One projection: the step on `chip` at `context` on `path`, beside the anchors and the
-    tok/s if every visible ratio-4 entry were read (the model's masked attention today)."""
+def step_row(config: dict, chip: str | StepConstants, context: int, path: str) -> dict:
+    """The decode step at `context` on `path`: its GB, then its terms, tok/s and bound on
+    `chip` (a chip's constants, or constants measured elsewhere: the doctor's)."""
     step = flash_step(config, context, path)
+    return {"context": context, "path": path, "gb": step.nbytes / 1e9, **priced(step, chip)}
+
+
+def row(config: dict, chip: str, context: int, path: str) -> dict:
+    """One projection: `step_row` on `chip`, beside the anchors and the tok/s if every visible
+    ratio-4 entry were read (the model's masked attention today)."""
     every = flash_step(config, context, path, selected_only=False)
     return {
         "chip": chip,
-        "context": context,
-        "path": path,
-        "gb": step.nbytes / 1e9,
-        **priced(step, chip),
+        **step_row(config, chip, context, path),
         "tokens_per_second_every_entry": 1 / step_seconds(every, chip),
         "anchors": anchors_for(chip, context),
     }
