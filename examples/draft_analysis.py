@@ -49,7 +49,7 @@ from bitnest_mlx.measurement.speed_projection import skeleton, spec_of
 from bitnest_mlx.measurement.workloads import WORKLOADS, cost_models, load_workload, prompt_ids
 from bitnest_mlx.runtime.sampling import Sampler
 from bitnest_mlx.runtime.step_kernels import STORED
-from bitnest_mlx.runtime.step_time import Step, step_seconds, tokens_per_second
+from bitnest_mlx.runtime.step_time import Step, step_seconds
 from bitnest_mlx.runtime.token_bytes import head_bytes, kv_bytes, weight_bytes
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -139,11 +139,8 @@ def priced(stats: dict, cost, temp: float) -> dict:
 
 
 def pricing(model, context: int, counts=None) -> dict:
-    """{path: CostModel} on CHIP and mlx-lm 4-bit's tok/s, for `model`'s dims at `context`."""
-    return {
-        "costs": cost_models(model, context, (CHIP,), counts)[CHIP],
-        "peer4": tokens_per_second(step_costs.peer_step(model.args, 4, context), CHIP),
-    }
+    """{path: CostModel} on CHIP, for `model`'s dims at `context`."""
+    return {"costs": cost_models(model, context, (CHIP,), counts)[CHIP]}
 
 
 def priced_entry(model, price: dict, stats: dict, skipped: int, context: int, counts=None):
@@ -152,7 +149,7 @@ def priced_entry(model, price: dict, stats: dict, skipped: int, context: int, co
     out = {}
     for path, cost in price["costs"].items():
         c = skipped_cost(cost, model, skipped, context, counts)
-        target_tps = 1 / step_seconds(c.target_step, CHIP)
+        over_peer4 = step_costs.over_peer(c, model.args, context)
         out[path] = {
             "cost_ratio": c.draft_step.nbytes / c.target_step.nbytes,
             "draft_step_over_target": step_seconds(c.draft_step, CHIP)
@@ -162,7 +159,7 @@ def priced_entry(model, price: dict, stats: dict, skipped: int, context: int, co
             r = priced(stats, c, temp)
             out[path][f"T{temp}"] = {
                 **r,
-                "vs_mlx_lm_4bit": r["speedup"] * target_tps / price["peer4"],
+                "vs_mlx_lm_4bit": r["speedup"] * over_peer4,
             }
     return out
 

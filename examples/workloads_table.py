@@ -34,7 +34,6 @@ from bitnest_mlx.measurement import step_costs
 from bitnest_mlx.measurement.speed_projection import skeleton, spec_of
 from bitnest_mlx.measurement.workload_rounds import WorkloadRounds, round_cost
 from bitnest_mlx.runtime.step_kernels import STORED
-from bitnest_mlx.runtime.step_time import step_seconds, tokens_per_second
 
 CHIPS = ("M1", "M3 Max", "M4 Max")
 LLAMA_3B = skeleton(spec_of("llama-3.2-3b"))
@@ -110,8 +109,7 @@ def target_over_peer4(model, r: dict, chip: str = "M4 Max") -> float:
     context = round(sum(p["prompt_tokens"] + p["generated"] / 2 for p in r["prompts"].values()))
     context //= len(r["prompts"])
     cost = step_costs.cost_model(model, context, chip, "kernel", counts=STORED)
-    peer = tokens_per_second(step_costs.peer_step(model.args, 4, context), chip)
-    return 1 / step_seconds(cost.target_step, chip) / peer
+    return step_costs.over_peer(cost, model.args, context)
 
 
 SOURCES = ("chain", "ngram", "chain+ngram")

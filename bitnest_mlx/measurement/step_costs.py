@@ -21,7 +21,7 @@ import mlx.nn as nn
 
 from ..runtime.speed_model import CostModel
 from ..runtime.step_kernels import PassKernels, PathKernels, timed_cost
-from ..runtime.step_time import Step
+from ..runtime.step_time import Step, step_seconds, tokens_per_second
 from . import step_fit
 from .roofline import roofline
 
@@ -110,3 +110,10 @@ def peer_step(args, bits: int, context: int) -> Step:
     config = peer_config(args)
     nbytes = step_fit.weight_bytes(config, bits, PEER_GROUP) + step_fit.kv_bytes(config, context)
     return Step(nbytes, peer_kernels(args, bits))
+
+
+def over_peer(cost: CostModel, args, context: int, bits: int = 4) -> float:
+    """Target-only tok/s at `cost` over mlx-lm's `bits`-bit Llama of `args`' dims at `context`
+    tokens, both on `cost`'s chip: what a speed-up over target-only is worth against the peer."""
+    peer = tokens_per_second(peer_step(args, bits, context), cost.chip)
+    return 1 / step_seconds(cost.target_step, cost.chip) / peer
